@@ -1,0 +1,386 @@
+"""Reusable parts of the side-by-side benchmarks (bench/*.py).
+
+- CUDA-graph timing of one "step" callable rotating over several input sets (time_graph)
+- device copy bandwidth (copy_bandwidth_gbs)
+- rotating-set sizing against the L2 cache (rotating_sets)
+- result rows, the results file in design.md's shape, and the printed table (BenchRow,
+  write_results, print_table, print_summary)
+- run metadata: GPU name and slug, date, git commit
+
+Nothing here imports a peer library or the mla_backend extension: a bench script brings its
+own kernels and calls these helpers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+# H100 / H200 L2: 50 MB. Rotating input sets keep the touched bytes well above it, so a
+# kernel never re-reads a KV cache that the previous call left in L2.
+L2_BYTES = 50 * 2**20
+
+
+def log(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+# --------------------------------------------------------------------------- run metadata
+
+
+def gpu_name(device: int = 0) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3' (for file names)."""
+    name = re.sub(r"^nvidia\s+", "", name.strip(), flags=re.IGNORECASE)
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "unknown-gpu"
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def git_commit(repo: Path = REPO_ROOT) -> str:
+    """`git rev-parse HEAD` of the repository, or "unknown" (no git, no commit yet)."""
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    sha = res.stdout.strip()
+    return sha if res.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", sha) else "unknown"
+
+
+def cuda_alive() -> bool:
+    """False once the CUDA context is broken (an illegal address poisons every later call)."""
+    try:
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001 - any failure here means the context is unusable
+        return False
+
+
+def short_error(e: BaseException, limit: int = 300) -> str:
+    msg = " ".join(f"{type(e).__name__}: {e}".split())
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> tuple[float, list[float]]:
+    """Run fn once (warm), then `reps` times, each bracketed by CUDA events on the current
+    stream; returns (median ms, all samples in ms)."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples), samples
+
+
+class GraphCaptureError(RuntimeError):
+    """A step could not be captured into a CUDA graph (host sync, unsupported op, ...)."""
+
+
+@dataclass
+class Timing:
+    us: float          # median microseconds per call
+    ncalls: int        # calls per captured graph
+    reps: int          # timed graph replays
+    nsets: int         # input sets the calls rotate over
+    spread: float      # (max - min) / median over the replays
+
+
+def rotating_sets(bytes_per_set: float, *, l2_multiple: float = 4.0, lo: int = 2,
+                  hi: int = 128) -> int:
+    """How many input sets to rotate over so that l2_multiple x L2 bytes are touched per
+    rotation (at least `lo`: 2 already suffice when one set is far above L2)."""
+    need = math.ceil(l2_multiple * L2_BYTES / max(bytes_per_set, 1.0))
+    return int(min(hi, max(lo, need)))
+
+
+def time_graph(step: Callable[[int], object], nsets: int, *, budget_ms: float = 60.0,
+               min_graph_us: float = 2000.0, max_calls: int = 256, min_reps: int = 3,
+               max_reps: int = 15) -> Timing:
+    """Time step(i) (i = input set) with CUDA graphs.
+
+    1. warm-up: every set once (JIT builds, lazily built schedules, allocator);
+    2. estimate the per-call time from one eager rotation (an upper bound: it includes
+       launch gaps) and choose whole rotations per graph (>= min_graph_us of work, at most
+       max_calls calls) and replays (about budget_ms of GPU time, min_reps..max_reps);
+    3. capture the calls step(0), step(1), ..., step(nsets - 1), step(0), ... in one graph;
+    4. replay once (warm), then time `reps` replays with events: median / ncalls.
+
+    Raises GraphCaptureError if the capture fails; other errors propagate.
+    """
+    for i in range(nsets):
+        step(i)
+    torch.cuda.synchronize()
+
+    def rotation() -> None:
+        for i in range(nsets):
+            step(i)
+
+    est_ms, _ = median_ms(rotation, 1)
+    est_us = max(est_ms * 1e3 / nsets, 1.0)
+    rotations = max(1, min(math.ceil(min_graph_us / (est_us * nsets)), max_calls // nsets))
+    ncalls = nsets * rotations
+    reps = int(min(max_reps, max(min_reps, budget_ms * 1e3 // (ncalls * est_us))))
+
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for c in range(ncalls):
+                step(c % nsets)
+    except Exception as e:  # noqa: BLE001 - reported to the caller as a capture failure
+        del graph
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001, S110
+            pass
+        raise GraphCaptureError(short_error(e)) from e
+    try:
+        med, samples = median_ms(graph.replay, reps)
+    finally:
+        torch.cuda.synchronize()
+    del graph
+    spread = (max(samples) - min(samples)) / med if med > 0 else 0.0
+    return Timing(us=med * 1e3 / ncalls, ncalls=ncalls, reps=reps, nsets=nsets, spread=spread)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2**30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s (1e9 B/s), counting bytes read + written,
+    median of `reps` copies of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    med, _ = median_ms(lambda: dst.copy_(src), reps)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (med * 1e-3) / 1e9
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float32 (NaN anywhere gives NaN)."""
+    got, want = got.float(), want.float()
+    return float(torch.linalg.vector_norm(got - want) /
+                 torch.linalg.vector_norm(want).clamp_min(1e-30))
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    vals = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
+    if not vals:
+        return None
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+# --------------------------------------------------------------------------- rows
+
+
+@dataclass
+class BenchRow:
+    """One config of a bench: the JSON part (config, us, metrics, skipped) plus display-only
+    information for the printed table (times measured but not counted, notes)."""
+
+    config: dict[str, Any]
+    us: dict[str, float] = field(default_factory=dict)        # counted kernels only
+    skipped: dict[str, str] = field(default_factory=dict)     # kernel -> why it is not in us
+    uncounted_us: dict[str, float] = field(default_factory=dict)  # measured, not counted
+    notes: dict[str, str] = field(default_factory=dict)       # kernel -> how it was timed
+    tflops_ours: float | None = None
+    gbs_ours: float | None = None
+    speedup_vs_best_peer: float | None = None
+    pct_copy: float | None = None                             # display only
+
+    def finalize(self, flops: float, nbytes: float, copy_bw_gbs: float | None,
+                 ours: str = "ours") -> None:
+        """Fill the metrics from `us`: TFLOP/s and GB/s of ours, speedup = best peer us /
+        ours us (> 1: ours is faster)."""
+        t = self.us.get(ours)
+        peers = [v for k, v in self.us.items() if k != ours]
+        if t is None or t <= 0:
+            return
+        self.tflops_ours = flops / t / 1e6
+        self.gbs_ours = nbytes / t / 1e3
+        if copy_bw_gbs:
+            self.pct_copy = 100.0 * self.gbs_ours / copy_bw_gbs
+        if peers:
+            self.speedup_vs_best_peer = min(peers) / t
+
+    def to_json(self) -> dict[str, Any]:
+        def rnd(v: float | None, nd: int) -> float | None:
+            return None if v is None else round(v, nd)
+
+        return {
+            "config": dict(self.config),
+            "us": {k: round(v, 2) for k, v in self.us.items()},
+            "tflops_ours": rnd(self.tflops_ours, 1),
+            "gbs_ours": rnd(self.gbs_ours, 1),
+            "speedup_vs_best_peer": rnd(self.speedup_vs_best_peer, 4),
+            "skipped": dict(self.skipped),
+        }
+
+
+def default_results_path(job: str, gpu: str, date: str) -> Path:
+    return RESULTS_DIR / f"{job}-{gpu_slug(gpu)}-{date}.json"
+
+
+def resolve_out(out: str | None, job: str, gpu: str, date: str) -> Path:
+    """--out: a file path, or an existing directory (the default file name goes in it);
+    none: bench/results/<job>-<gpu-slug>-<date>.json."""
+    if not out:
+        return default_results_path(job, gpu, date)
+    p = Path(out)
+    if p.is_dir() or out.endswith(os.sep):
+        return p / default_results_path(job, gpu, date).name
+    return p
+
+
+def write_results(path: Path, *, job: str, gpu: str, date: str, commit: str,
+                  copy_bw_gbs: float | None, rows: Sequence[BenchRow]) -> dict[str, Any]:
+    """Write design.md's results shape (every bench writes the same): job, gpu, date,
+    commit, copy_bandwidth_gbs, rows[config, us, tflops_ours, gbs_ours,
+    speedup_vs_best_peer, skipped]. Written atomically (tmp file + rename)."""
+    doc = {
+        "job": job,
+        "gpu": gpu,
+        "date": date,
+        "commit": commit,
+        "copy_bandwidth_gbs": None if copy_bw_gbs is None else round(copy_bw_gbs, 1),
+        "rows": [r.to_json() for r in rows],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return doc
+
+
+# --------------------------------------------------------------------------- table
+
+
+def _config_label_keys(rows: Sequence[BenchRow]) -> list[str]:
+    keys: list[str] = []
+    for r in rows:
+        for k in r.config:
+            if k not in keys:
+                keys.append(k)
+    return keys
+
+
+class Table:
+    """Fixed-width table: config columns, one us column per kernel, ours TF/s, GB/s,
+    %copy, speedup. Cells: '12.3' counted, '12.3!' measured but not counted (failed the
+    correctness gate), '12.3*' counted with a note, '-' skipped."""
+
+    def __init__(self, config_keys: Sequence[str], kernels: Sequence[str],
+                 kernel_width: int = 9) -> None:
+        self.config_keys = list(config_keys)
+        self.kernels = list(kernels)
+        self.cw = {k: max(len(k), 6) for k in self.config_keys}
+        self.kw = {k: max(kernel_width, len(k)) for k in self.kernels}
+
+    def header(self) -> str:
+        cfg = " ".join(f"{k:>{self.cw[k]}}" for k in self.config_keys)
+        ker = " ".join(f"{k:>{self.kw[k]}}" for k in self.kernels)
+        return f"{cfg} | {ker} | {'TF/s':>6} {'GB/s':>6} {'%copy':>6} {'speedup':>7}"
+
+    def line(self, r: BenchRow) -> str:
+        cfg = " ".join(f"{str(r.config.get(k, '')):>{self.cw[k]}}" for k in self.config_keys)
+        cells = []
+        for k in self.kernels:
+            if k in r.us:
+                cell = f"{r.us[k]:.1f}" + ("*" if k in r.notes else "")
+            elif k in r.uncounted_us:
+                cell = f"{r.uncounted_us[k]:.1f}!"
+            else:
+                cell = "-"
+            cells.append(f"{cell:>{self.kw[k]}}")
+        tf = "-" if r.tflops_ours is None else f"{r.tflops_ours:.1f}"
+        gb = "-" if r.gbs_ours is None else f"{r.gbs_ours:.0f}"
+        pc = "-" if r.pct_copy is None else f"{r.pct_copy:.1f}%"
+        sp = "-" if r.speedup_vs_best_peer is None else f"{r.speedup_vs_best_peer:.3f}"
+        return f"{cfg} | {' '.join(cells)} | {tf:>6} {gb:>6} {pc:>6} {sp:>7}"
+
+
+def print_table(rows: Sequence[BenchRow], kernels: Sequence[str],
+                copy_bw_gbs: float | None) -> None:
+    if not rows:
+        log("(no rows)")
+        return
+    table = Table(_config_label_keys(rows), kernels)
+    hdr = table.header()
+    log("=" * len(hdr))
+    log("copy bandwidth (read+write): " +
+        ("n/a" if copy_bw_gbs is None else f"{copy_bw_gbs:.0f} GB/s"))
+    log("us per call; TF/s, GB/s, %copy: ours; speedup = best peer us / ours us;"
+        " '!' failed the correctness gate (not counted), '*' see notes, '-' skipped")
+    log(hdr)
+    log("-" * len(hdr))
+    for r in rows:
+        log(table.line(r))
+    log("-" * len(hdr))
+    reasons: dict[tuple[str, str], int] = {}
+    for r in rows:
+        for k, why in r.skipped.items():
+            reasons[(k, why)] = reasons.get((k, why), 0) + 1
+        for k, why in r.notes.items():
+            reasons[(k, "note: " + why)] = reasons.get((k, "note: " + why), 0) + 1
+    if reasons:
+        log("skipped / notes:")
+        for (k, why), n in sorted(reasons.items()):
+            log(f"  {k}: {why}  [{n} row{'s' if n != 1 else ''}]")
+
+
+def config_label(config: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in config.items())
+
+
+def print_summary(rows: Sequence[BenchRow]) -> None:
+    """Geometric mean of speedup_vs_best_peer over the rows that have one, and the worst
+    row (printed last)."""
+    with_sp = [r for r in rows if r.speedup_vs_best_peer is not None]
+    if not with_sp:
+        log("speedup vs best peer: no row has both ours and a peer")
+        return
+    gm = geomean([r.speedup_vs_best_peer for r in with_sp])  # type: ignore[misc]
+    worst = min(with_sp, key=lambda r: r.speedup_vs_best_peer)  # type: ignore[arg-type,return-value]
+    below = sum(1 for r in with_sp if r.speedup_vs_best_peer < 1.0)  # type: ignore[operator]
+    missing = len(rows) - len(with_sp)
+    log(f"rows with a speedup: {len(with_sp)}/{len(rows)}"
+        + (f" ({missing} without ours or without any peer)" if missing else "")
+        + f"; rows below 1.0x: {below}")
+    best_peer = min((k for k in worst.us if k != "ours"), key=lambda k: worst.us[k],
+                    default="?")
+    log(f"worst row: {config_label(worst.config)}: {worst.speedup_vs_best_peer:.3f}x "
+        f"(ours {worst.us.get('ours', float('nan')):.1f} us vs {best_peer} "
+        f"{worst.us.get(best_peer, float('nan')):.1f} us)")
+    log(f"geometric mean speedup_vs_best_peer: {gm:.3f}x")

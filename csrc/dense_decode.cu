@@ -1,0 +1,487 @@
+// Dense paged MLA decode (v1): split-KV flash-decoding with mma.sync m16n8k16 tensor-core
+// tiles, a cp.async multi-stage KV pipeline, a closed-form GPU planner and an lse combine.
+// Schedule and numbers: docs/kernels/dense_decode.md.
+//
+// Work unit: 32 consecutive tokens of one request (half a 64-token page). The planner
+// writes unit prefix sums P[0..B] and U (units per CTA); CTA c walks units [cU, cU+U),
+// crossing request boundaries. A request wholly inside one CTA is written straight to
+// out/lse; a request spanning CTAs leaves normalised partials (slot 0 if it is the CTA's
+// first request, else slot 1) that the combine kernel merges by lse.
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.h"
+#include "ops.h"
+
+namespace mla_backend {
+namespace {
+
+constexpr int kDqk = 576;
+constexpr int kDv = 512;
+constexpr int kPage = 64;
+constexpr int kUnit = 32;                 // tokens per work unit (must match ops.UNIT_TOKENS)
+constexpr int kSmemRow = kDqk + 8;        // padded row: 1168 B = 73 16-B chunks (odd: no bank conflicts)
+constexpr int kChunksPerRow = kDqk * 2 / 16;  // 72 16-byte chunks per token
+constexpr int kWarpsN = 4;                // warps splitting keys (S) and output columns (PV)
+constexpr int kPRow = kUnit + 8;          // padded P row: 80 B = 5 chunks
+constexpr float kLn2 = 0.69314718055994530942f;
+
+struct DecodeParams {
+  const void* q;
+  int64_t q_stride_b, q_stride_s, q_stride_h;
+  const void* kv;
+  int64_t kv_stride_block, kv_stride_tok;
+  const int* block_table;
+  int64_t bt_stride;
+  int max_blocks;
+  const int* seq_lens;
+  const int* meta;  // P[0..B], U at [B+1]
+  float* part_out;  // [2C][rows][512]
+  float* part_lse;  // [2C][rows]
+  void* out;        // [B][rows][512]
+  float* lse;       // [B][rows]
+  int batch, s_q, heads, rows, num_ctas;
+  float scale_log2;
+  bool causal;
+};
+
+template <typename T> struct Mma;
+
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float x, float y) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float x, float y) {
+    __half2 v = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// 16-byte async copy; src_bytes = 0 zero-fills the destination without reading.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Request owning unit u: the last r with P[r] <= u (skips empty requests).
+__device__ __forceinline__ int request_of_unit(const int* P, int batch, int u) {
+  int lo = 0, hi = batch;  // P[lo] <= u < P[hi] holds for u < P[batch]
+  while (hi - lo > 1) {
+    int mid = (lo + hi) >> 1;
+    if (__ldg(P + mid) <= u) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+template <typename T, int kRows>
+struct DecodeConfig {
+  static constexpr int kWarpsM = kRows / 16;
+  static constexpr int kWarps = kWarpsM * kWarpsN;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStages = kRows <= 32 ? 4 : 3;
+  static constexpr int kColsPerWarp = kDv / kWarpsN;       // 128
+  static constexpr int kNTiles = kColsPerWarp / 8;          // 16
+  static constexpr int kKeysPerWarp = kUnit / kWarpsN;      // 8: one n-tile of S
+  static constexpr size_t kSmemQ = size_t(kRows) * kSmemRow * sizeof(T);
+  static constexpr size_t kSmemKV = size_t(kStages) * kUnit * kSmemRow * sizeof(T);
+  static constexpr size_t kSmemP = size_t(kRows) * kPRow * sizeof(T);
+  static constexpr size_t kSmemRed = size_t(2) * kWarpsN * kRows * sizeof(float);
+  static constexpr size_t kSmem = kSmemQ + kSmemKV + kSmemP + kSmemRed;
+  static_assert(kKeysPerWarp == 8, "S tile per warp is one 8-key n-tile");
+};
+
+template <typename T, int kRows>
+__global__ void __launch_bounds__(DecodeConfig<T, kRows>::kThreads, 1)
+dense_decode_kernel(const __grid_constant__ DecodeParams p) {
+  using Cfg = DecodeConfig<T, kRows>;
+  constexpr int kStages = Cfg::kStages;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sKV = reinterpret_cast<T*>(smem + Cfg::kSmemQ);
+  T* sP = reinterpret_cast<T*>(smem + Cfg::kSmemQ + Cfg::kSmemKV);
+  float* sRedMax = reinterpret_cast<float*>(smem + Cfg::kSmemQ + Cfg::kSmemKV + Cfg::kSmemP);
+  float* sRedSum = sRedMax + kWarpsN * kRows;
+
+  const int* P = p.meta;
+  const int total = __ldg(P + p.batch);
+  const int U = __ldg(P + p.batch + 1);
+  const int cta = blockIdx.x;
+  const int u_begin = cta * U;
+  if (u_begin >= total) return;
+  const int u_end = min(u_begin + U, total);
+  const int row0 = blockIdx.y * kRows;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
+  const T* kv = static_cast<const T*>(p.kv);
+
+  // ---- producer: async load of one unit's 32 tokens into a stage
+  int r_load = request_of_unit(P, p.batch, u_begin);
+  auto load_unit = [&](int u, int stage) {
+    while (u >= __ldg(P + r_load + 1)) ++r_load;
+    const int tok0 = (u - __ldg(P + r_load)) * kUnit;
+    const int n_valid = min(kUnit, __ldg(p.seq_lens + r_load) - tok0);
+    const int blk_idx = tok0 / kPage;
+    const bool blk_ok = blk_idx < p.max_blocks;
+    const int blk = blk_ok ? __ldg(p.block_table + r_load * p.bt_stride + blk_idx) : 0;
+    const T* base = kv + int64_t(blk) * p.kv_stride_block + int64_t(tok0 % kPage) * p.kv_stride_tok;
+    T* dst = sKV + size_t(stage) * kUnit * kSmemRow;
+    for (int i = tid; i < kUnit * kChunksPerRow; i += Cfg::kThreads) {
+      const int t = i / kChunksPerRow, ch = i % kChunksPerRow;
+      const bool ok = blk_ok && t < n_valid;
+      const T* src = ok ? base + int64_t(t) * p.kv_stride_tok + ch * 8 : kv;
+      cp_async_16(dst + t * kSmemRow + ch * 8, src, ok ? 16 : 0);
+    }
+  };
+
+  // ---- Q tile of request r into shared memory (plain loads; rows past `rows` are zero)
+  const T* qbase = static_cast<const T*>(p.q);
+  auto load_q = [&](int r) {
+    for (int i = tid; i < kRows * kChunksPerRow; i += Cfg::kThreads) {
+      const int m = i / kChunksPerRow, ch = i % kChunksPerRow;
+      const int row = row0 + m;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (row < p.rows) {
+        const int qi = row / p.heads, h = row % p.heads;
+        v = __ldg(reinterpret_cast<const uint4*>(qbase + r * p.q_stride_b + qi * p.q_stride_s +
+                                                 h * p.q_stride_h) + ch);
+      }
+      *reinterpret_cast<uint4*>(sQ + m * kSmemRow + ch * 8) = v;
+    }
+  };
+
+  // prologue: STAGES-1 units in flight
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (u_begin + s < u_end) load_unit(u_begin + s, s);
+    cp_async_commit();
+  }
+
+  int r_cur = request_of_unit(P, p.batch, u_begin);
+  load_q(r_cur);
+
+  // per-thread state: rows g = lane/4 and g + 8 of this warp's 16-row group
+  const int g = lane >> 2, qd = lane & 3;
+  const int lrow0 = wm * 16 + g, lrow1 = lrow0 + 8;  // local rows in the tile
+  float o[Cfg::kNTiles][4];
+  float m_run[2], l_run[2];
+  auto reset_state = [&]() {
+#pragma unroll
+    for (int n = 0; n < Cfg::kNTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    m_run[0] = m_run[1] = -INFINITY;
+    l_run[0] = l_run[1] = 0.f;
+  };
+  reset_state();
+
+  auto epilogue = [&](int r) {
+    // row sums: quad, then across the kWarpsN key-splitting warps
+    float l0 = l_run[0], l1 = l_run[1];
+    l0 += __shfl_xor_sync(0xffffffff, l0, 1); l0 += __shfl_xor_sync(0xffffffff, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 1); l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+    if (qd == 0) { sRedSum[wn * kRows + lrow0] = l0; sRedSum[wn * kRows + lrow1] = l1; }
+    __syncthreads();
+    float lt[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kWarpsN; ++j) { lt[0] += sRedSum[j * kRows + lrow0]; lt[1] += sRedSum[j * kRows + lrow1]; }
+    __syncthreads();  // sRedSum is read before the next epilogue writes it
+    const int Pr = __ldg(P + r), Pr1 = __ldg(P + r + 1);
+    const bool split = (Pr / U) != ((Pr1 - 1) / U);
+    const int slot = Pr <= u_begin ? 0 : 1;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row0 + (hr ? lrow1 : lrow0);
+      if (row >= p.rows) continue;
+      const float inv_l = lt[hr] > 0.f ? 1.f / lt[hr] : 0.f;
+      const float lse_row = lt[hr] > 0.f ? (m_run[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
+      if (!split) {
+        T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
+#pragma unroll
+        for (int n = 0; n < Cfg::kNTiles; ++n) {
+          const int col = wn * Cfg::kColsPerWarp + n * 8 + qd * 2;
+          *reinterpret_cast<uint32_t*>(out + col) =
+              Mma<T>::pack(o[n][hr * 2] * inv_l, o[n][hr * 2 + 1] * inv_l);
+        }
+        if (wn == 0 && qd == 0) p.lse[int64_t(r) * p.rows + row] = lse_row;
+      } else {
+        const int64_t prow = (int64_t(cta) * 2 + slot) * p.rows + row;
+        float* po = p.part_out + prow * kDv;
+#pragma unroll
+        for (int n = 0; n < Cfg::kNTiles; ++n) {
+          const int col = wn * Cfg::kColsPerWarp + n * 8 + qd * 2;
+          *reinterpret_cast<float2*>(po + col) = make_float2(o[n][hr * 2] * inv_l, o[n][hr * 2 + 1] * inv_l);
+        }
+        if (wn == 0 && qd == 0) p.part_lse[prow] = lse_row;
+      }
+    }
+  };
+
+  int stage = 0;
+  for (int u = u_begin; u < u_end; ++u) {
+    if (u >= __ldg(P + r_cur + 1)) {
+      epilogue(r_cur);
+      while (u >= __ldg(P + r_cur + 1)) ++r_cur;
+      load_q(r_cur);  // sQ is free: every warp passed the epilogue's barriers
+      reset_state();
+    }
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // unit u landed; every warp finished unit u-1 (its stage is reusable)
+    {
+      const int un = u + kStages - 1;
+      if (un < u_end) load_unit(un, (stage + kStages - 1) % kStages);
+      cp_async_commit();
+    }
+    const T* sK = sKV + size_t(stage) * kUnit * kSmemRow;
+    const int tok0 = (u - __ldg(P + r_cur)) * kUnit;
+    const int seq_len = __ldg(p.seq_lens + r_cur);
+
+    // ---- S = Q K^T for 16 rows x 8 keys per warp, depth 576
+    // two independent accumulators halve the dependent mma chain (36 k-steps)
+    float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < kDqk / 16; kk += 2) {
+      uint32_t b[4], a0[4], a1[4];
+      ldmatrix_x4(b, sK + (wn * 8 + (lane & 7)) * kSmemRow + kk * 16 + (lane >> 3) * 8);
+      ldmatrix_x4(a0, sQ + (wm * 16 + (lane & 15)) * kSmemRow + kk * 16 + (lane >> 4) * 8);
+      ldmatrix_x4(a1, sQ + (wm * 16 + (lane & 15)) * kSmemRow + (kk + 1) * 16 + (lane >> 4) * 8);
+      Mma<T>::run(s, a0, b[0], b[1]);
+      Mma<T>::run(s_odd, a1, b[2], b[3]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] += s_odd[e];
+    // scale to log2 domain and mask keys past each row's limit
+    float rmax[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row0 + (hr ? lrow1 : lrow0);
+      int limit = seq_len;
+      if (p.causal) limit = seq_len - p.s_q + row / p.heads + 1;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = tok0 + wn * 8 + qd * 2 + e;
+        float& v = s[hr * 2 + e];
+        v = key < limit ? v * p.scale_log2 : -INFINITY;
+      }
+      float mx = fmaxf(s[hr * 2], s[hr * 2 + 1]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      rmax[hr] = mx;
+    }
+    if (qd == 0) { sRedMax[wn * kRows + lrow0] = rmax[0]; sRedMax[wn * kRows + lrow1] = rmax[1]; }
+    __syncthreads();
+    float alpha[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int lr = hr ? lrow1 : lrow0;
+      float mx = m_run[hr];
+#pragma unroll
+      for (int j = 0; j < kWarpsN; ++j) mx = fmaxf(mx, sRedMax[j * kRows + lr]);
+      const float m_use = mx == -INFINITY ? 0.f : mx;  // nothing seen yet: avoid inf - inf
+      alpha[hr] = exp2f(m_run[hr] - m_use);
+      m_run[hr] = mx;
+      const float p0 = exp2f(s[hr * 2] - m_use), p1 = exp2f(s[hr * 2 + 1] - m_use);
+      l_run[hr] = l_run[hr] * alpha[hr] + p0 + p1;
+      *reinterpret_cast<uint32_t*>(sP + lr * kPRow + wn * 8 + qd * 2) = Mma<T>::pack(p0, p1);
+    }
+#pragma unroll
+    for (int n = 0; n < Cfg::kNTiles; ++n) {
+      o[n][0] *= alpha[0]; o[n][1] *= alpha[0]; o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    }
+    __syncthreads();
+
+    // ---- O += P V for 16 rows x 128 columns per warp, depth 32 keys
+#pragma unroll
+    for (int ks = 0; ks < kUnit / 16; ++ks) {
+      uint32_t a[4];
+      ldmatrix_x4(a, sP + (wm * 16 + (lane & 15)) * kPRow + ks * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int n = 0; n < Cfg::kNTiles; n += 2) {
+        uint32_t b[4];
+        const int krow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int col = wn * Cfg::kColsPerWarp + n * 8 + (lane >> 4) * 8;
+        ldmatrix_x4_trans(b, sK + krow * kSmemRow + col);
+        Mma<T>::run(o[n], a, b[0], b[1]);
+        Mma<T>::run(o[n + 1], a, b[2], b[3]);
+      }
+    }
+    stage = (stage + 1) % kStages;
+  }
+  cp_async_wait<0>();
+  epilogue(r_cur);
+}
+
+// Merge the partials of requests that span CTAs; zero out requests with no keys.
+template <typename T>
+__global__ void __launch_bounds__(128) dense_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+  const int row = blockIdx.x, r = blockIdx.y;
+  const int* P = p.meta;
+  const int U = __ldg(P + p.batch + 1);
+  const int Pr = __ldg(P + r), Pr1 = __ldg(P + r + 1);
+  T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
+  const int col = threadIdx.x * 4;
+  if (Pr == Pr1) {  // zero-length request (or no unit): out = 0, lse = -inf
+    *reinterpret_cast<uint2*>(out + col) = make_uint2(Mma<T>::pack(0.f, 0.f), Mma<T>::pack(0.f, 0.f));
+    if (threadIdx.x == 0) p.lse[int64_t(r) * p.rows + row] = -INFINITY;
+    return;
+  }
+  const int first = Pr / U, last = (Pr1 - 1) / U;
+  if (first == last) return;  // written directly by its CTA
+  auto slot_row = [&](int c) {
+    const int slot = (c == first && Pr != c * U) ? 1 : 0;
+    return (int64_t(c) * 2 + slot) * p.rows + row;
+  };
+  float mx = -INFINITY;
+  for (int c = first; c <= last; ++c) mx = fmaxf(mx, p.part_lse[slot_row(c)]);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+  if (mx != -INFINITY) {
+    for (int c = first; c <= last; ++c) {
+      const int64_t pr = slot_row(c);
+      const float w = __expf(p.part_lse[pr] - mx);
+      wsum += w;
+      const float4 v = *reinterpret_cast<const float4*>(p.part_out + pr * kDv + col);
+      acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
+    }
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  *reinterpret_cast<uint2*>(out + col) =
+      make_uint2(Mma<T>::pack(acc[0] * inv, acc[1] * inv), Mma<T>::pack(acc[2] * inv, acc[3] * inv));
+  if (threadIdx.x == 0) p.lse[int64_t(r) * p.rows + row] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
+}
+
+__global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict__ seq_lens, int batch,
+                                                          int* __restrict__ meta, int num_ctas, int min_units) {
+  using Scan = cub::BlockScan<int, 1024>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int carry;
+  if (threadIdx.x == 0) { carry = 0; meta[0] = 0; }
+  __syncthreads();
+  for (int base = 0; base < batch; base += 1024) {
+    const int b = base + threadIdx.x;
+    const int len = b < batch ? max(seq_lens[b], 0) : 0;
+    int units = (len + kUnit - 1) / kUnit, incl, agg;
+    Scan(tmp).InclusiveSum(units, incl, agg);
+    if (b < batch) meta[b + 1] = carry + incl;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += agg;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const int total = carry;
+    meta[batch + 1] = max((total + num_ctas - 1) / num_ctas, min_units);
+  }
+}
+
+template <typename T, int kRows>
+void launch_decode(const DecodeParams& p, cudaStream_t stream) {
+  using Cfg = DecodeConfig<T, kRows>;
+  auto kernel = dense_decode_kernel<T, kRows>;
+  MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmem)));
+  dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
+  MLA_CHECK_LAUNCH();
+  dense_decode_combine_kernel<T><<<dim3(p.rows, p.batch), 128, 0, stream>>>(p);
+  MLA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_ctas, int64_t min_units) {
+  TORCH_CHECK(seq_lens.is_cuda() && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "plan_decode: seq_lens must be contiguous int32 on CUDA");
+  TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == at::kInt &&
+                  metadata.numel() == seq_lens.numel() + 2,
+              "plan_decode: metadata must be int32 [batch + 2]");
+  TORCH_CHECK(num_ctas >= 1 && min_units >= 1, "plan_decode: num_ctas and min_units must be >= 1");
+  const c10::cuda::CUDAGuard guard(seq_lens.device());
+  plan_decode_kernel<<<1, 1024, 0, at::cuda::getCurrentCUDAStream()>>>(
+      seq_lens.data_ptr<int>(), int(seq_lens.numel()), metadata.data_ptr<int>(), int(num_ctas), int(min_units));
+  MLA_CHECK_LAUNCH();
+}
+
+void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                const at::Tensor& seq_lens, const at::Tensor& metadata, at::Tensor& partial_out,
+                at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse, int64_t num_ctas,
+                int64_t rows_per_cta, double softmax_scale, bool causal) {
+  // Shapes and dtypes were validated by mla_backend.ops; re-check what memory safety needs.
+  TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1, "mla_decode: bad q");
+  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == kPage && kv_cache.size(2) == kDqk &&
+                  kv_cache.stride(2) == 1 && kv_cache.scalar_type() == q.scalar_type(),
+              "mla_decode: bad kv_cache");
+  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "mla_decode: out/lse must be contiguous");
+  const int64_t batch = q.size(0), rows = q.size(1) * q.size(2);
+  TORCH_CHECK(metadata.numel() == batch + 2 && partial_out.size(0) == 2 * num_ctas &&
+                  partial_out.size(1) == rows && partial_lse.size(0) == 2 * num_ctas,
+              "mla_decode: plan buffers do not match q");
+  if (batch == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  DecodeParams p;
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0); p.q_stride_s = q.stride(1); p.q_stride_h = q.stride(2);
+  p.kv = kv_cache.data_ptr();
+  p.kv_stride_block = kv_cache.stride(0); p.kv_stride_tok = kv_cache.stride(1);
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride = block_table.stride(0);
+  p.max_blocks = int(block_table.size(1));
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.meta = metadata.data_ptr<int>();
+  p.part_out = partial_out.data_ptr<float>();
+  p.part_lse = partial_lse.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.batch = int(batch); p.s_q = int(q.size(1)); p.heads = int(q.size(2)); p.rows = int(rows);
+  p.num_ctas = int(num_ctas);
+  p.scale_log2 = float(softmax_scale * 1.4426950408889634);
+  p.causal = causal;
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || q.scalar_type() == at::kHalf, "mla_decode: q must be bf16 or fp16");
+  if (rows_per_cta == 16) {
+    if (bf16) launch_decode<__nv_bfloat16, 16>(p, stream); else launch_decode<__half, 16>(p, stream);
+  } else if (rows_per_cta == 32) {
+    if (bf16) launch_decode<__nv_bfloat16, 32>(p, stream); else launch_decode<__half, 32>(p, stream);
+  } else if (rows_per_cta == 64) {
+    if (bf16) launch_decode<__nv_bfloat16, 64>(p, stream); else launch_decode<__half, 64>(p, stream);
+  } else {
+    TORCH_CHECK(false, "mla_decode: rows_per_cta must be 16, 32 or 64, got ", rows_per_cta);
+  }
+}
+
+}  // namespace mla_backend

@@ -1,0 +1,17 @@
+// Declarations of the host entry points registered in torch_bindings.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace mla_backend {
+
+at::Tensor probe_scale(const at::Tensor& x, double alpha);
+
+void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_ctas, int64_t min_units);
+
+void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                const at::Tensor& seq_lens, const at::Tensor& metadata, at::Tensor& partial_out,
+                at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse, int64_t num_ctas,
+                int64_t rows_per_cta, double softmax_scale, bool causal);
+
+}  // namespace mla_backend

@@ -1,0 +1,20 @@
+// Registers every kernel as torch.ops.mla_backend.*. No pybind11: the module is built
+// with the limited Python API (_C.abi3.so) and loaded with torch.ops.load_library.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(mla_backend, m) {
+  m.def("probe_scale(Tensor x, float alpha) -> Tensor");
+  m.def("plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, int min_units) -> ()");
+  m.def(
+      "mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor metadata, "
+      "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, "
+      "int num_ctas, int rows_per_cta, float softmax_scale, bool causal) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(mla_backend, CUDA, m) {
+  m.impl("probe_scale", &mla_backend::probe_scale);
+  m.impl("plan_decode", &mla_backend::plan_decode);
+  m.impl("mla_decode", &mla_backend::mla_decode);
+}

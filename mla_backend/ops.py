@@ -1,0 +1,229 @@
+"""The public kernel API: validates arguments (ValueError / TypeError naming the argument,
+its shape and dtype), allocates outputs, and calls torch.ops.mla_backend.*.
+
+Shapes follow vLLM's MLA: one latent KV head, d_qk = 576 (512 latent + 64 rope),
+d_v = 512, page (block) size 64. Float32 twins of every op: mla_backend.reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import _extension
+
+D_QK = 576
+D_V = 512
+PAGE_SIZE = 64
+MAX_HEADS = 128
+MAX_Q_TOKENS_PER_REQ = 8
+# Tokens per unit of split-KV work; the planner deals whole units to CTAs.
+UNIT_TOKENS = 32
+# A CTA gets at least this many units: fewer splits for short contexts, a cheaper combine.
+MIN_UNITS_PER_CTA = 4
+_QUERY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} dtype {t.dtype} device {t.device}"
+
+
+def _require_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    return t
+
+
+def _require(cond: bool, name: str, t: torch.Tensor, what: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} {what}; got {_describe(t)}")
+
+
+def _require_cuda(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device; got {_describe(t)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _require_hopper(op: str, device: torch.device) -> None:
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        raise RuntimeError(
+            f"mla_backend.ops.{op} runs on Hopper GPUs (compute capability 9.x, sm_90a); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def probe_scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * x on the GPU (float32, contiguous): proves the extension builds and runs."""
+    x = _require_tensor("x", x)
+    _require(x.dtype == torch.float32 and x.is_contiguous(), "x", x,
+             "must be a contiguous float32 tensor")
+    _require_cuda({"x": x}, x.device)
+    _extension.require("probe_scale")
+    return torch.ops.mla_backend.probe_scale(x, float(alpha))
+
+
+# --------------------------------------------------------------------------- dense decode
+
+
+@dataclass
+class DecodePlan:
+    """Split-KV schedule of one decode step, shared by every layer of that step.
+
+    metadata (int32 [batch + 2], on the GPU): unit prefix sums P[0..batch] (request b owns
+    work units [P[b], P[b+1]), a unit = UNIT_TOKENS tokens) and, at [batch + 1], the units
+    per CTA. CTA c of a grid of num_ctas processes units [c * U, (c + 1) * U): the schedule
+    is a closed form of P and U, so the planner is one small kernel with no host sync.
+    partial_out / partial_lse hold the results of requests that span CTAs (two slots per
+    CTA: its first and its last request) until the combine kernel merges them.
+    All tensors can be kept across steps: plan_decode(..., out=plan) refills them in place
+    (what a CUDA graph needs).
+    """
+
+    batch: int
+    q_tokens_per_req: int
+    num_heads: int
+    rows_per_cta: int
+    num_ctas: int
+    metadata: torch.Tensor
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.q_tokens_per_req * self.num_heads
+
+
+def _rows_per_cta(rows: int) -> int:
+    # 16 rows: the few-head (TP8 / TP16) case pays for no padded MMA rows.
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: int, *,
+                num_sms: int | None = None, out: DecodePlan | None = None) -> DecodePlan:
+    """Plan one decode step: seq_lens int32 [B] on the GPU (no host sync); s_q query tokens
+    per request; num_heads query heads. Pass `out` (an earlier plan of the same B, s_q and
+    H) to refill its buffers in place."""
+    seq_lens = _require_tensor("seq_lens", seq_lens)
+    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "seq_lens", seq_lens,
+             "must be a 1-D int32 tensor [batch]")
+    if not 1 <= num_q_tokens_per_req <= MAX_Q_TOKENS_PER_REQ:
+        raise ValueError(f"num_q_tokens_per_req must be in [1, {MAX_Q_TOKENS_PER_REQ}]; "
+                         f"got {num_q_tokens_per_req}")
+    if not 1 <= num_heads <= MAX_HEADS:
+        raise ValueError(f"num_heads must be in [1, {MAX_HEADS}]; got {num_heads}")
+    _require_cuda({"seq_lens": seq_lens}, seq_lens.device)
+    device = seq_lens.device
+    batch = seq_lens.shape[0]
+    rows = num_q_tokens_per_req * num_heads
+    rows_per_cta = _rows_per_cta(rows)
+    if out is not None:
+        if (out.batch, out.q_tokens_per_req, out.num_heads) != (batch, num_q_tokens_per_req,
+                                                                 num_heads):
+            raise ValueError(
+                f"out plan is for batch {out.batch}, s_q {out.q_tokens_per_req}, "
+                f"H {out.num_heads}; this step has batch {batch}, s_q {num_q_tokens_per_req}, "
+                f"H {num_heads}")
+        plan = out
+    else:
+        m_tiles = math.ceil(rows / rows_per_cta)
+        sms = num_sms if num_sms is not None else _num_sms(device)
+        # One wave: each CTA needs most of an SM's shared memory (one CTA per SM), and
+        # the planner gives every CTA the same number of units.
+        num_ctas = max(1, sms // m_tiles)
+        plan = DecodePlan(
+            batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads,
+            rows_per_cta=rows_per_cta, num_ctas=num_ctas,
+            metadata=torch.empty(batch + 2, dtype=torch.int32, device=device),
+            partial_out=torch.empty(2 * num_ctas, rows, D_V, dtype=torch.float32, device=device),
+            partial_lse=torch.empty(2 * num_ctas, rows, dtype=torch.float32, device=device),
+        )
+    _extension.require("plan_decode")
+    torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, MIN_UNITS_PER_CTA)
+    return plan
+
+
+def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out):
+    q = _require_tensor("q", q)
+    kv_cache = _require_tensor("kv_cache", kv_cache)
+    block_table = _require_tensor("block_table", block_table)
+    seq_lens = _require_tensor("seq_lens", seq_lens)
+    _require(q.dim() == 4 and q.shape[3] == D_QK, "q", q, f"must be [batch, s_q, heads, {D_QK}]")
+    if q.dtype not in _QUERY_DTYPES:
+        raise TypeError(f"q must be bfloat16 or float16; got {_describe(q)}")
+    batch, s_q, heads, _ = q.shape
+    _require(1 <= s_q <= MAX_Q_TOKENS_PER_REQ, "q", q,
+             f"must have s_q (dim 1) in [1, {MAX_Q_TOKENS_PER_REQ}]")
+    _require(1 <= heads <= MAX_HEADS, "q", q, f"must have heads (dim 2) in [1, {MAX_HEADS}]")
+    _require(q.stride(3) == 1 and all(q.stride(i) % 8 == 0 for i in range(3)), "q", q,
+             "must have a contiguous last dim and 16-byte aligned strides")
+    _require(kv_cache.dim() == 3 and kv_cache.shape[1:] == (PAGE_SIZE, D_QK), "kv_cache",
+             kv_cache, f"must be [num_blocks, {PAGE_SIZE}, {D_QK}]")
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        raise TypeError(f"kv_cache: the per-tensor fp8 cache is not supported by mla_decode "
+                        f"yet; got {_describe(kv_cache)}")
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"kv_cache must have q's dtype {q.dtype}; got {_describe(kv_cache)}")
+    if kv_scale is not None:
+        raise ValueError(f"kv_scale applies only to an fp8 kv_cache; kv_cache is {kv_cache.dtype}")
+    _require(kv_cache.stride(2) == 1 and kv_cache.stride(1) % 8 == 0
+             and kv_cache.stride(0) % 8 == 0, "kv_cache", kv_cache,
+             "must have a contiguous last dim and 16-byte aligned block/token strides")
+    _require(block_table.dim() == 2 and block_table.dtype == torch.int32
+             and block_table.shape[0] == batch and block_table.stride(1) == 1, "block_table",
+             block_table, f"must be int32 [batch={batch}, max_blocks] with a contiguous last dim")
+    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32
+             and seq_lens.shape[0] == batch and seq_lens.is_contiguous(), "seq_lens", seq_lens,
+             f"must be contiguous int32 [batch={batch}]")
+    if not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan must be a DecodePlan from plan_decode; got {type(plan).__name__}")
+    if (plan.batch, plan.q_tokens_per_req, plan.num_heads) != (batch, s_q, heads):
+        raise ValueError(f"plan is for batch {plan.batch}, s_q {plan.q_tokens_per_req}, "
+                         f"H {plan.num_heads}; q has batch {batch}, s_q {s_q}, H {heads}")
+    if not (isinstance(softmax_scale, (float, int)) and math.isfinite(softmax_scale)
+            and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float; got {softmax_scale!r}")
+    if out is not None:
+        out = _require_tensor("out", out)
+        _require(out.shape == (batch, s_q, heads, D_V) and out.dtype == q.dtype
+                 and out.is_contiguous(), "out", out,
+                 f"must be contiguous {q.dtype} [{batch}, {s_q}, {heads}, {D_V}]")
+    tensors = {"q": q, "kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens,
+               "plan.metadata": plan.metadata}
+    if out is not None:
+        tensors["out"] = out
+    _require_cuda(tensors, q.device)
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, plan: DecodePlan, softmax_scale: float,
+               causal: bool = True, kv_scale: torch.Tensor | float | None = None,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense paged MLA decode.
+
+    q [B, s_q, H, 576] bf16/fp16; kv_cache [num_blocks, 64, 576] of q's dtype (a strided
+    view is fine: blocks are indexed by stride(0)); block_table int32 [B, max_blocks];
+    seq_lens int32 [B] (keys per request, the s_q query tokens included; the caller keeps
+    seq_lens[b] <= 64 * max_blocks). With causal, query i sees keys < seq_len - s_q + i + 1.
+    Returns out [B, s_q, H, 512] (q's dtype) and lse [B, s_q, H] float32 (natural log);
+    rows with no key get out = 0, lse = -inf.
+    """
+    _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out)
+    _extension.require("mla_decode")
+    _require_hopper("mla_decode", q.device)
+    batch, s_q, heads, _ = q.shape
+    if out is None:
+        out = torch.empty(batch, s_q, heads, D_V, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
+    torch.ops.mla_backend.mla_decode(
+        q, kv_cache, block_table, seq_lens, plan.metadata, plan.partial_out, plan.partial_lse,
+        out, lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(causal))
+    return out, lse

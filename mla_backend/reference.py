@@ -1,0 +1,195 @@
+"""Float32 (or float64) PyTorch references for every op in mla_backend.ops.
+
+Each function has the signature of its kernel twin (the `plan` argument is accepted and
+ignored), runs on any device, and is vectorised: one gather of the attended keys, one
+batched QK^T, one masked softmax, one batched PV.
+
+Conventions (shared with the kernels):
+- d_qk = 576 (512 latent + 64 rope), d_v = 512: V is the first 512 columns of K.
+- lse is the natural-log log-sum-exp of the *scaled* scores (vLLM's lse_base_on_e=True).
+- A query row that attends to no key (zero-length request, causal row before the first
+  key, all indices invalid) gets out = 0 and lse = -inf.
+- Keys that are not attended never reach the arithmetic: NaN or garbage in unused pages,
+  unused block-table entries or padded index slots cannot change the result.
+- Dense causal rule: query i (0-based) of a request with s_q query tokens and seq_len
+  keys sees keys k < seq_len - s_q + i + 1 (the query tokens are the last s_q keys).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import formats
+
+D_QK = 576
+D_V = 512
+PAGE_SIZE = 64
+
+
+def _dequantize_rows(rows: torch.Tensor, kv_scale: torch.Tensor | float | None,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows ([..., 576] bf16/fp16/fp8 or [..., 656] uint8 fp8_ds_mla) -> [..., 576] dtype."""
+    if rows.dtype == torch.uint8 and rows.shape[-1] == formats.FP8_DS_MLA_BYTES:
+        return formats.dequantize_fp8_ds_mla(rows).to(dtype)
+    if rows.dtype == torch.float8_e4m3fn:
+        if kv_scale is None:
+            raise ValueError("kv_scale is required for a float8_e4m3fn KV cache")
+        return formats.dequantize_fp8_per_tensor(rows, kv_scale).to(dtype)
+    if rows.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        return rows.to(dtype)
+    raise TypeError(f"unsupported KV cache rows: shape {tuple(rows.shape)} dtype {rows.dtype}")
+
+
+def _attend(scores: torch.Tensor, valid: torch.Tensor, values: torch.Tensor,
+            pv_equation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax over the last dim of `scores` and the PV product.
+
+    scores [..., H, K] already scaled; valid broadcastable to scores; values hold zeros at
+    invalid keys (so 0 * NaN cannot occur)."""
+    scores = scores.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    attended = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(attended, lse, 0.0).unsqueeze(-1))
+    probs = torch.where(valid & attended.unsqueeze(-1), probs, 0.0)
+    out = torch.einsum(pv_equation, probs, values)
+    return out, lse
+
+
+def _finish(out: torch.Tensor, lse: torch.Tensor, out_buf: torch.Tensor | None):
+    if out_buf is not None:
+        out_buf.copy_(out)
+        return out_buf, lse
+    return out, lse
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, plan: object, softmax_scale: float,
+               causal: bool = True, kv_scale: torch.Tensor | float | None = None,
+               out: torch.Tensor | None = None, *,
+               compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense paged decode. q [B, s_q, H, 576]; kv_cache [num_blocks, 64, 576];
+    block_table [B, max_blocks]; seq_lens [B]. Returns out [B, s_q, H, 512] and
+    lse [B, s_q, H] in compute_dtype (out is copied into `out` when given)."""
+    del plan
+    B, s_q, H, _ = q.shape
+    page = kv_cache.shape[1]
+    seq_lens = seq_lens.to(torch.int64)
+    max_len = int(seq_lens.max().item()) if B > 0 else 0
+    if max_len > block_table.shape[1] * page:
+        raise ValueError(f"seq_lens up to {max_len} need more than block_table's "
+                         f"{block_table.shape[1]} blocks of {page}")
+    pos = torch.arange(max_len, device=q.device)                          # [K]
+    in_seq = pos.unsqueeze(0) < seq_lens.unsqueeze(1)                     # [B, K]
+    blocks = block_table.to(torch.int64)[:, pos // page]                  # [B, K]
+    blocks = torch.where(in_seq, blocks, 0)                               # garbage-proof
+    rows = kv_cache[blocks, (pos % page).unsqueeze(0).expand_as(blocks)]  # [B, K, bytes]
+    keys = _dequantize_rows(rows, kv_scale, compute_dtype)
+    keys = torch.where(in_seq.unsqueeze(-1), keys, 0.0)                   # NaN-proof
+
+    limit = seq_lens.view(B, 1)
+    if causal:
+        limit = limit - s_q + 1 + torch.arange(s_q, device=q.device).view(1, s_q)
+    valid = pos.view(1, 1, -1) < limit.expand(B, s_q).unsqueeze(-1)       # [B, s_q, K]
+
+    scores = torch.einsum("bqhd,bkd->bqhk", q.to(compute_dtype), keys) * softmax_scale
+    o, lse = _attend(scores, valid.unsqueeze(2), keys[..., :D_V], "bqhk,bkd->bqhd")
+    return _finish(o, lse, out)
+
+
+def _gather_slots(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of a flat [S, bytes] or paged [num_blocks, page, bytes] KV tensor at slots."""
+    if kv.dim() == 2:
+        return kv[slots]
+    page = kv.shape[1]
+    return kv[slots // page, slots % page]
+
+
+def _sparse_attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                   softmax_scale: float, topk_length: torch.Tensor | None,
+                   kv_scale, compute_dtype: torch.dtype):
+    """q [N, s, H, 576], indices [N, s, topk] into kv's slots; topk_length [N] or None."""
+    num_slots = kv.shape[0] if kv.dim() == 2 else kv.shape[0] * kv.shape[1]
+    idx = indices.to(torch.int64)
+    if bool(((idx >= num_slots) | (idx < -1)).any()):
+        bad = idx[(idx >= num_slots) | (idx < -1)][0].item()
+        raise ValueError(f"indices holds {bad}, outside [-1, {num_slots}) for kv with "
+                         f"shape {tuple(kv.shape)}")
+    valid = idx >= 0
+    if topk_length is not None:
+        j = torch.arange(idx.shape[-1], device=idx.device)
+        valid &= j.view(1, 1, -1) < topk_length.to(torch.int64).view(-1, 1, 1)
+    rows = _gather_slots(kv, torch.where(valid, idx, 0))                  # [N, s, topk, bytes]
+    keys = _dequantize_rows(rows, kv_scale, compute_dtype)
+    keys = torch.where(valid.unsqueeze(-1), keys, 0.0)
+    scores = torch.einsum("nshd,nskd->nshk", q.to(compute_dtype), keys) * softmax_scale
+    return _attend(scores, valid.unsqueeze(2), keys[..., :D_V], "nshk,nskd->nshd")
+
+
+def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                      plan: object, softmax_scale: float,
+                      topk_length: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None, *, kv_scale=None,
+                      compute_dtype: torch.dtype = torch.float32):
+    """Sparse (DSA) decode. q [B, s_q, H, 576]; kv_cache [num_blocks, 64, 576] bf16 or
+    [num_blocks, 64, 656] uint8 fp8_ds_mla; indices [B, s_q, topk] global slots
+    (block * 64 + offset, -1 = none; duplicates count as often as they appear);
+    topk_length [B]: only the first topk_length[b] indices of request b are read."""
+    del plan
+    o, lse = _sparse_attend(q, kv_cache, indices, softmax_scale, topk_length, kv_scale,
+                            compute_dtype)
+    return _finish(o, lse, out)
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                       softmax_scale: float, topk_length: torch.Tensor | None = None, *,
+                       kv_scale=None, compute_dtype: torch.dtype = torch.float32):
+    """Sparse prefill. q [T, H, 576]; kv [S, 576] (flat) or a paged cache; indices
+    [T, topk] row / slot ids (-1 = none); topk_length [T]. Returns out [T, H, 512], lse [T, H]."""
+    o, lse = _sparse_attend(q.unsqueeze(1), kv, indices.unsqueeze(1), softmax_scale,
+                            topk_length, kv_scale, compute_dtype)
+    return o.squeeze(1), lse.squeeze(1)
+
+
+def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over disjoint key sets: outs [P, ..., 512], lses [P, ...].
+    Parts with lse = -inf contribute nothing; if all are -inf the result is (0, -inf)."""
+    lse = torch.logsumexp(lses, dim=0)
+    finite = torch.isfinite(lse)
+    weights = torch.exp(lses - torch.where(finite, lse, 0.0).unsqueeze(0))
+    weights = torch.where(torch.isfinite(lses) & finite.unsqueeze(0), weights, 0.0)
+    return (weights.unsqueeze(-1) * outs).sum(0), lse
+
+
+def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
+                         unit_tokens: int = 32) -> torch.Tensor:
+    """Twin of the GPU planner: int32 [B + 2] = unit prefix sums P[0..B] (request b owns
+    units [P[b], P[b+1]), a unit being unit_tokens keys) and U, the units per CTA."""
+    units = (seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1) // unit_tokens
+    prefix = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64)
+    prefix[1:] = torch.cumsum(units.cpu(), 0)
+    total = int(prefix[-1])
+    per_cta = max(-(-total // num_ctas), min_units)
+    return torch.cat([prefix, torch.tensor([per_cta])]).to(torch.int32)
+
+
+def decode_schedule(metadata: torch.Tensor, num_ctas: int) -> list[list[tuple[int, int, int, int]]]:
+    """The pieces each CTA computes under a plan: per CTA a list of
+    (request, first_unit, end_unit, slot), slot = -1 when the request lies wholly inside
+    the CTA (written straight to the output), else its partial slot (0: the CTA's first
+    request, 1: its last). Mirrors csrc/dense_decode.cu for the planner tests."""
+    meta = [int(x) for x in metadata.tolist()]
+    prefix, per_cta = meta[:-1], meta[-1]
+    batch, total = len(prefix) - 1, prefix[-1]
+    schedule = []
+    for cta in range(num_ctas):
+        begin, end = cta * per_cta, min((cta + 1) * per_cta, total)
+        pieces = []
+        for r in range(batch):
+            lo, hi = max(prefix[r], begin), min(prefix[r + 1], end)
+            if lo >= hi:
+                continue
+            split = prefix[r] // per_cta != (prefix[r + 1] - 1) // per_cta
+            slot = (0 if prefix[r] <= begin else 1) if split else -1
+            pieces.append((r, lo - prefix[r], hi - prefix[r], slot))
+        schedule.append(pieces)
+    return schedule

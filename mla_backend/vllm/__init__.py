@@ -1,0 +1,1 @@
+"""Adapters between vLLM's attention-backend interface and mla_backend.ops."""

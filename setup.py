@@ -1,0 +1,88 @@
+"""Build script: the CUDA extension mla_backend._C when torch (CUDA build) and nvcc are
+available, otherwise the pure-Python package, with one line saying why.
+
+Env vars:
+  MLA_BACKEND_SKIP_CUDA=1     never build the extension
+  MLA_BACKEND_PTXAS_VERBOSE=1 print ptxas' per-kernel register / shared-memory report
+  MLA_BACKEND_CUTLASS_INCLUDE path to CUTLASS/CuTe headers (default: the nvidia-cutlass wheel)
+  MAX_JOBS                    parallel nvcc jobs (ninja); default: number of CPUs
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _skip(reason: str) -> dict:
+    print(f"mla_backend: CUDA extension skipped ({reason}); installing the pure-Python package.",
+          file=sys.stderr)
+    return {}
+
+
+def _cutlass_include() -> str | None:
+    env = os.environ.get("MLA_BACKEND_CUTLASS_INCLUDE")
+    if env:
+        return env
+    try:
+        import cutlass_library  # the nvidia-cutlass wheel ships CUTLASS/CuTe headers
+    except ImportError:
+        return None
+    inc = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+    return inc if os.path.isdir(inc) else None
+
+
+def _cuda_extension_kwargs() -> dict:
+    if os.environ.get("MLA_BACKEND_SKIP_CUDA") == "1":
+        return _skip("MLA_BACKEND_SKIP_CUDA=1")
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        return _skip("torch is not importable in the build environment; "
+                     "use `pip install --no-build-isolation .` with torch installed")
+    if torch.version.cuda is None:
+        return _skip(f"torch {torch.__version__} is a CPU-only build")
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        return _skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    cutlass = _cutlass_include()
+    if cutlass is None:
+        return _skip("CUTLASS headers not found (pip install nvidia-cutlass, "
+                     "or set MLA_BACKEND_CUTLASS_INCLUDE)")
+
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cu"))
+                     + glob.glob(os.path.join("csrc", "*.cpp")))
+    nvcc_flags = [
+        "-O3", "-std=c++17",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "--expt-relaxed-constexpr", "--expt-extended-lambda", "--use_fast_math",
+        "-DNDEBUG", "-lineinfo",
+        "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    ]
+    if os.environ.get("MLA_BACKEND_PTXAS_VERBOSE") == "1":
+        nvcc_flags.append("-Xptxas=-v")
+    ext = CUDAExtension(
+        name="mla_backend._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc"), cutlass],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x030A0000"],
+                            "nvcc": nvcc_flags + ["-DPy_LIMITED_API=0x030A0000"]},
+        py_limited_api=True,
+    )
+    print(f"mla_backend: building CUDA extension for sm_90a with nvcc {nvcc}, "
+          f"CUTLASS headers {cutlass}, MAX_JOBS={os.environ['MAX_JOBS']}", file=sys.stderr)
+    return {
+        "ext_modules": [ext],
+        "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)},
+        "options": {"bdist_wheel": {"py_limited_api": "cp310"}},
+    }
+
+
+setup(**_cuda_extension_kwargs())

@@ -1,0 +1,97 @@
+"""Every validation error of mla_backend.ops, on CPU tensors (no GPU or extension needed)."""
+
+import pytest
+import torch
+
+from mla_backend import _extension, ops
+
+
+def _args(batch=2, s_q=1, heads=16, dtype=torch.bfloat16):
+    q = torch.randn(batch, s_q, heads, 576).to(dtype)
+    cache = torch.randn(4, 64, 576).to(dtype)
+    table = torch.zeros(batch, 2, dtype=torch.int32)
+    seq = torch.full((batch,), 10, dtype=torch.int32)
+    plan = ops.DecodePlan(batch=batch, q_tokens_per_req=s_q, num_heads=heads, rows_per_cta=16,
+                          num_ctas=1, metadata=torch.zeros(batch + 2, dtype=torch.int32),
+                          partial_out=torch.zeros(2, s_q * heads, 512),
+                          partial_lse=torch.zeros(2, s_q * heads))
+    return dict(q=q, kv_cache=cache, block_table=table, seq_lens=seq, plan=plan,
+                softmax_scale=0.04)
+
+
+CASES = [
+    ("q", lambda a: a["q"][..., :512], ValueError, r"q must be \[batch, s_q, heads, 576\]; got shape \(2, 1, 16, 512\)"),
+    ("q", lambda a: a["q"].float(), TypeError, r"q must be bfloat16 or float16; got .*torch.float32"),
+    ("q", lambda a: torch.randn(2, 9, 16, 576).bfloat16(), ValueError, r"s_q \(dim 1\) in \[1, 8\]"),
+    ("q", lambda a: torch.randn(2, 1, 129, 576).bfloat16(), ValueError, r"heads \(dim 2\) in \[1, 128\]"),
+    ("q", lambda a: a["q"].transpose(2, 3).contiguous().transpose(2, 3), ValueError, "contiguous last dim"),
+    ("q", lambda a: "not a tensor", TypeError, "q must be a torch.Tensor; got str"),
+    ("kv_cache", lambda a: torch.randn(4, 32, 576).bfloat16(), ValueError, r"kv_cache must be \[num_blocks, 64, 576\]; got shape \(4, 32, 576\)"),
+    ("kv_cache", lambda a: a["kv_cache"].half(), TypeError, r"kv_cache must have q's dtype torch.bfloat16; got .*float16"),
+    ("kv_cache", lambda a: a["kv_cache"].to(torch.float8_e4m3fn), TypeError, "per-tensor fp8 cache is not supported"),
+    ("block_table", lambda a: a["block_table"].long(), ValueError, r"block_table must be int32 \[batch=2, max_blocks\].*int64"),
+    ("block_table", lambda a: torch.zeros(3, 2, dtype=torch.int32), ValueError, r"block_table .*shape \(3, 2\)"),
+    ("seq_lens", lambda a: a["seq_lens"].long(), ValueError, r"seq_lens must be contiguous int32 \[batch=2\]"),
+    ("seq_lens", lambda a: torch.zeros(3, dtype=torch.int32), ValueError, r"seq_lens .*shape \(3,\)"),
+    ("plan", lambda a: None, TypeError, "plan must be a DecodePlan from plan_decode; got NoneType"),
+    ("softmax_scale", lambda a: -1.0, ValueError, "softmax_scale must be a positive finite float"),
+    ("softmax_scale", lambda a: float("nan"), ValueError, "softmax_scale must be a positive finite float"),
+]
+
+
+@pytest.mark.parametrize("name,make,exc,msg", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_mla_decode_rejects(name, make, exc, msg):
+    args = _args()
+    args[name] = make(args)
+    with pytest.raises(exc, match=msg):
+        ops.mla_decode(**args)
+
+
+def test_plan_must_match_q():
+    args = _args()
+    args["plan"] = _args(heads=8)["plan"]
+    with pytest.raises(ValueError, match="plan is for batch 2, s_q 1, H 8; q has batch 2, s_q 1, H 16"):
+        ops.mla_decode(**args)
+
+
+def test_kv_scale_without_fp8_cache():
+    with pytest.raises(ValueError, match="kv_scale applies only to an fp8 kv_cache"):
+        ops.mla_decode(**_args(), kv_scale=1.0)
+
+
+def test_out_must_match():
+    with pytest.raises(ValueError, match=r"out must be contiguous torch.bfloat16 \[2, 1, 16, 512\]"):
+        ops.mla_decode(**_args(), out=torch.empty(2, 1, 16, 512))
+
+
+def test_cpu_tensors_are_rejected_before_any_kernel():
+    with pytest.raises(ValueError, match="q must be on a CUDA device; got shape"):
+        ops.mla_decode(**_args())
+
+
+def test_plan_decode_rejects():
+    with pytest.raises(ValueError, match=r"seq_lens must be a 1-D int32 tensor \[batch\]; got .*int64"):
+        ops.plan_decode(torch.zeros(3, dtype=torch.int64), 1, 16)
+    with pytest.raises(ValueError, match=r"num_q_tokens_per_req must be in \[1, 8\]; got 0"):
+        ops.plan_decode(torch.zeros(3, dtype=torch.int32), 0, 16)
+    with pytest.raises(ValueError, match=r"num_heads must be in \[1, 128\]; got 200"):
+        ops.plan_decode(torch.zeros(3, dtype=torch.int32), 1, 200)
+    with pytest.raises(ValueError, match="seq_lens must be on a CUDA device"):
+        ops.plan_decode(torch.zeros(3, dtype=torch.int32), 1, 16)
+
+
+def test_probe_scale_rejects():
+    with pytest.raises(ValueError, match="x must be a contiguous float32 tensor; got .*float16"):
+        ops.probe_scale(torch.zeros(4, dtype=torch.float16), 2.0)
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
+        ops.probe_scale(torch.zeros(4), 2.0)
+
+
+def test_missing_extension_error_names_the_op_and_the_build(monkeypatch, tmp_path):
+    monkeypatch.setitem(_extension._state, "loaded", False)
+    monkeypatch.setitem(_extension._state, "error", None)
+    monkeypatch.setenv("MLA_BACKEND_EXTENSION", str(tmp_path / "missing_C.abi3.so"))
+    with pytest.raises(_extension.ExtensionNotBuiltError,
+                       match=r"mla_backend.ops.mla_decode needs the CUDA extension .*"
+                             r"pip install --no-build-isolation"):
+        _extension.require("mla_decode")

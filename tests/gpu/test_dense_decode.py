@@ -1,0 +1,161 @@
+"""mla_decode on the GPU against the float32 reference: fresh random data each case,
+poisoned outputs, NaN in unused pages, permuted block tables with garbage in unused
+entries, ragged and zero lengths, strided cache views, every head count and s_q claimed.
+
+Tolerances (stated in docs/kernels/dense_decode.md): the kernel reads the same bf16/fp16
+inputs as the reference; its only roundings are P to the input dtype before PV and the
+output to the input dtype. So rel L2(out) < 8e-3 for bf16 (8 mantissa bits: 2^-9 per
+rounding) and < 2e-3 for fp16; lse (fp32 throughout) within 2e-3 absolute; rows with no
+key exactly 0 and -inf.
+"""
+
+import pytest
+import torch
+
+from mla_backend import ops
+from mla_backend import reference as ref
+from tests.helpers import paged_case, rel_l2
+
+pytestmark = pytest.mark.gpu
+TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3}
+_seed = [1000]
+
+
+def _fresh_seed():
+    _seed[0] += 1
+    return _seed[0]
+
+
+def _check(lens, s_q, heads, dtype=torch.bfloat16, causal=True, strided=False, scale=None):
+    q, cache, table, seq = paged_case(lens, s_q, heads, dtype=dtype, device="cuda",
+                                      seed=_fresh_seed())
+    if strided:  # the layer's slice of a cross-layer buffer [blocks, layers, 64, 576]
+        big = torch.full((cache.shape[0], 3, 64, 576), float("nan"), dtype=dtype, device="cuda")
+        big[:, 2] = cache
+        cache = big[:, 2]
+    scale = scale if scale is not None else 576 ** -0.5
+    plan = ops.plan_decode(seq, s_q, heads)
+    out = torch.full((len(lens), s_q, heads, 512), float("nan"), dtype=dtype, device="cuda")
+    got, lse = ops.mla_decode(q, cache, table, seq, plan, scale, causal=causal, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    want, want_lse = ref.mla_decode(q, cache, table, seq, None, scale, causal=causal)
+    assert not got.isnan().any(), "unwritten or NaN output"
+    assert rel_l2(got, want) < TOL[dtype], rel_l2(got, want)
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(lse), empty) and bool((lse[empty] < 0).all())
+    assert torch.all(got[empty] == 0)
+    assert torch.allclose(lse[~empty], want_lse[~empty], atol=2e-3)
+    return plan
+
+
+HEADS = [1, 2, 5, 8, 16, 20, 32, 48, 64, 100, 128]
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("s_q", [1, 2, 4])
+def test_heads_and_query_lengths(heads, s_q):
+    _check([1, 37, 700, 64, 2049, 128], s_q, heads)
+
+
+@pytest.mark.parametrize("s_q", [3, 5, 8])
+@pytest.mark.parametrize("heads", [1, 16, 128])
+def test_long_query_blocks(s_q, heads):
+    _check([9, 300, 4, 1000], s_q, heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_dtypes(dtype, heads):
+    _check([555, 1, 0, 3000], 2, heads, dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_non_causal_and_causal(causal):
+    _check([5, 64, 65, 1000], 4, 16, causal=causal)
+
+
+def test_zero_lengths_everywhere_and_mixed():
+    _check([0, 0, 0], 1, 16)
+    _check([0, 7, 0, 0, 3000, 0], 2, 64)
+
+
+def test_strided_cache_view():
+    _check([100, 2000, 3], 1, 16, strided=True)
+
+
+def test_large_batch_and_long_context():
+    lens = torch.randint(1, 9000, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    _check(lens, 1, 16)
+    _check(lens[:16], 2, 128)
+
+
+def test_single_long_request_many_splits():
+    plan = _check([40000], 1, 16)
+    meta = plan.metadata.cpu()
+    assert int(meta[-1]) * plan.num_ctas >= int(meta[-2]) > int(meta[-1])  # really split
+
+
+def test_large_scale_sharp_softmax():
+    _check([300, 2000], 1, 32, scale=0.5)
+
+
+def test_planner_matches_python_twin():
+    seq = torch.randint(0, 20000, (300,), generator=torch.Generator().manual_seed(8),
+                        dtype=torch.int32)
+    seq[::7] = 0
+    for heads in (16, 128):
+        plan = ops.plan_decode(seq.cuda(), 1, heads)
+        want = ref.plan_decode_metadata(seq, plan.num_ctas, ops.MIN_UNITS_PER_CTA, ops.UNIT_TOKENS)
+        assert torch.equal(plan.metadata.cpu(), want)
+
+
+def test_plan_reused_by_several_layers_and_refilled_in_place():
+    q, cache, table, seq = paged_case([100, 900, 3000], 1, 16, device="cuda", seed=_fresh_seed())
+    plan = ops.plan_decode(seq, 1, 16)
+    for layer in range(3):  # every layer of a step shares the plan and its scratch
+        ql = q * (layer + 1)
+        got, _ = ops.mla_decode(ql, cache, table, seq, plan, 0.05)
+        want, _ = ref.mla_decode(ql, cache, table, seq, None, 0.05)
+        assert rel_l2(got, want) < TOL[torch.bfloat16]
+    seq2 = torch.tensor([3000, 5, 1], dtype=torch.int32, device="cuda")
+    same = ops.plan_decode(seq2, 1, 16, out=plan)
+    assert same is plan
+    got, _ = ops.mla_decode(q, cache, table, seq2, plan, 0.05)
+    want, _ = ref.mla_decode(q, cache, table, seq2, None, 0.05)
+    assert rel_l2(got, want) < TOL[torch.bfloat16]
+
+
+def test_cuda_graph_capture_and_replay_with_new_lengths():
+    lens = [500, 2000, 64, 1]
+    q, cache, table, seq = paged_case(lens, 2, 16, device="cuda", seed=_fresh_seed())
+    seq_buf = seq.clone()
+    plan = ops.plan_decode(seq_buf, 2, 16)
+    out = torch.empty(len(lens), 2, 16, 512, dtype=q.dtype, device="cuda")
+    ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, out=out)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.plan_decode(seq_buf, 2, 16, out=plan)
+        _, lse = ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, out=out)
+    for new in ([400, 1999, 0, 1], [2000, 2, 64, 30], lens):
+        seq_buf.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        want, want_lse = ref.mla_decode(q, cache, table, seq_buf, None, 0.05)
+        assert not out.isnan().any() and rel_l2(out, want) < TOL[torch.bfloat16]
+        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+
+
+def test_random_shapes_fuzz():
+    g = torch.Generator().manual_seed(_fresh_seed())
+    for _ in range(12):
+        batch = int(torch.randint(1, 20, (1,), generator=g))
+        heads = int(torch.randint(1, 129, (1,), generator=g))
+        s_q = int(torch.randint(1, 9, (1,), generator=g))
+        lens = torch.randint(0, 5000, (batch,), generator=g).tolist()
+        _check(lens, s_q, heads)
+
+
+def test_probe_scale_runs():
+    x = torch.randn(1000, device="cuda")
+    assert torch.equal(ops.probe_scale(x, 2.0), 2.0 * x)

@@ -1,0 +1,63 @@
+"""Input builders shared by the cpu and gpu tiers."""
+
+from __future__ import annotations
+
+import torch
+
+D_QK, D_V, PAGE = 576, 512, 64
+
+
+def paged_case(seq_lens: list[int], s_q: int, heads: int, *, dtype=torch.bfloat16,
+               device="cpu", spare_blocks: int = 3, seed: int = 0, nan_unused: bool = True):
+    """Random q, a paged cache whose blocks are handed out in a random order, a block table
+    whose unused entries hold out-of-range garbage, and NaN in every slot no request uses."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    blocks_per_req = [-(-n // PAGE) for n in seq_lens]
+    max_blocks = max(blocks_per_req + [1]) + 1
+    num_blocks = sum(blocks_per_req) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g)
+    cache = torch.randn(num_blocks, PAGE, D_QK, generator=g).to(dtype)
+    used = torch.zeros(num_blocks, PAGE, dtype=torch.bool)
+    table = torch.randint(num_blocks + 1000, 2**30, (batch, max_blocks), generator=g,
+                          dtype=torch.int32)
+    nxt = 0
+    for b, n in enumerate(seq_lens):
+        for j in range(blocks_per_req[b]):
+            blk = int(perm[nxt])
+            nxt += 1
+            table[b, j] = blk
+            used[blk, : min(PAGE, n - j * PAGE)] = True
+    if nan_unused:
+        cache[~used] = float("nan")
+    q = torch.randn(batch, s_q, heads, D_QK, generator=g).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return (q.to(device), cache.to(device), table.to(device), lens.to(device))
+
+
+def naive_dense_decode(q, cache, table, lens, scale, causal=True):
+    """Explicit per-(request, query, head) softmax in float64, one loop iteration each."""
+    batch, s_q, heads, _ = q.shape
+    out = torch.zeros(batch, s_q, heads, D_V, dtype=torch.float64)
+    lse = torch.full((batch, s_q, heads), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        n = int(lens[b])
+        keys = torch.stack([cache[int(table[b, t // PAGE]), t % PAGE] for t in range(n)]) \
+            if n else torch.zeros(0, D_QK)
+        keys = keys.double()
+        for i in range(s_q):
+            limit = n - s_q + i + 1 if causal else n
+            if limit <= 0:
+                continue
+            kk = keys[:limit]
+            for h in range(heads):
+                s = (kk @ q[b, i, h].double()) * scale
+                w = torch.softmax(s, 0)
+                out[b, i, h] = w @ kk[:, :D_V]
+                lse[b, i, h] = torch.logsumexp(s, 0)
+    return out, lse
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
