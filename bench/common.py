@@ -177,12 +177,14 @@ def time_graph(step: Callable[[int], object], nsets: int, *, budget_ms: float = 
 def copy_bandwidth_gbs(nbytes: int = 2**30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth in GB/s (1e9 B/s), counting bytes read + written,
     median of `reps` copies of `nbytes`."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    src.fill_(1)
-    med, _ = median_ms(lambda: dst.copy_(src), reps)
-    del src, dst
-    torch.cuda.empty_cache()
+    def measure() -> float:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        src.fill_(1)
+        return median_ms(lambda: dst.copy_(src), reps)[0]
+
+    med = measure()
+    torch.cuda.empty_cache()                               # give the 2 x nbytes back
     return 2 * nbytes / (med * 1e-3) / 1e9
 
 
@@ -367,20 +369,21 @@ def config_label(config: dict[str, Any]) -> str:
 def print_summary(rows: Sequence[BenchRow]) -> None:
     """Geometric mean of speedup_vs_best_peer over the rows that have one, and the worst
     row (printed last)."""
-    with_sp = [r for r in rows if r.speedup_vs_best_peer is not None]
+    with_sp = [(r.speedup_vs_best_peer, r) for r in rows if r.speedup_vs_best_peer is not None]
     if not with_sp:
         log("speedup vs best peer: no row has both ours and a peer")
         return
-    gm = geomean([r.speedup_vs_best_peer for r in with_sp])  # type: ignore[misc]
-    worst = min(with_sp, key=lambda r: r.speedup_vs_best_peer)  # type: ignore[arg-type,return-value]
-    below = sum(1 for r in with_sp if r.speedup_vs_best_peer < 1.0)  # type: ignore[operator]
+    gm = geomean([sp for sp, _ in with_sp])
+    worst_sp, worst = min(with_sp, key=lambda t: t[0])
+    below = sum(1 for sp, _ in with_sp if sp < 1.0)
     missing = len(rows) - len(with_sp)
     log(f"rows with a speedup: {len(with_sp)}/{len(rows)}"
         + (f" ({missing} without ours or without any peer)" if missing else "")
         + f"; rows below 1.0x: {below}")
     best_peer = min((k for k in worst.us if k != "ours"), key=lambda k: worst.us[k],
                     default="?")
-    log(f"worst row: {config_label(worst.config)}: {worst.speedup_vs_best_peer:.3f}x "
+    log(f"worst row: {config_label(worst.config)}: {worst_sp:.3f}x "
         f"(ours {worst.us.get('ours', float('nan')):.1f} us vs {best_peer} "
         f"{worst.us.get(best_peer, float('nan')):.1f} us)")
-    log(f"geometric mean speedup_vs_best_peer: {gm:.3f}x")
+    log(f"geometric mean speedup_vs_best_peer: {gm:.3f}x" if gm is not None else
+        "geometric mean speedup_vs_best_peer: n/a")

@@ -7,117 +7,22 @@
 // crossing request boundaries. A request wholly inside one CTA is written straight to
 // out/lse; a request spanning CTAs leaves normalised partials (slot 0 if it is the CTA's
 // first request, else slot 1) that the combine kernel merges by lse.
-#include <cub/block/block_scan.cuh>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include "common.h"
+#include "dense_decode_common.cuh"
 #include "ops.h"
 
 namespace mla_backend {
 namespace {
 
-constexpr int kDqk = 576;
-constexpr int kDv = 512;
-constexpr int kPage = 64;
-constexpr int kUnit = 32;                 // tokens per work unit (must match ops.UNIT_TOKENS)
-constexpr int kSmemRow = kDqk + 8;        // padded row: 1168 B = 73 16-B chunks (odd: no bank conflicts)
-constexpr int kChunksPerRow = kDqk * 2 / 16;  // 72 16-byte chunks per token
-constexpr int kWarpsN = 4;                // warps splitting keys (S) and output columns (PV)
-constexpr int kPRow = kUnit + 8;          // padded P row: 80 B = 5 chunks
-constexpr float kLn2 = 0.69314718055994530942f;
-
-struct DecodeParams {
-  const void* q;
-  int64_t q_stride_b, q_stride_s, q_stride_h;
-  const void* kv;
-  int64_t kv_stride_block, kv_stride_tok;
-  const int* block_table;
-  int64_t bt_stride;
-  int max_blocks;
-  const int* seq_lens;
-  const int* meta;  // P[0..B], U at [B+1]
-  float* part_out;  // [2C][rows][512]
-  float* part_lse;  // [2C][rows]
-  void* out;        // [B][rows][512]
-  float* lse;       // [B][rows]
-  int batch, s_q, heads, rows, num_ctas;
-  float scale_log2;
-  bool causal;
-};
-
-template <typename T> struct Mma;
-
-template <> struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float x, float y) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-
-template <> struct Mma<__half> {
-  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float x, float y) {
-    __half2 v = __floats2half2_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-// 16-byte async copy; src_bytes = 0 zero-fills the destination without reading.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// Request owning unit u: the last r with P[r] <= u (skips empty requests).
-__device__ __forceinline__ int request_of_unit(const int* P, int batch, int u) {
-  int lo = 0, hi = batch;  // P[lo] <= u < P[hi] holds for u < P[batch]
-  while (hi - lo > 1) {
-    int mid = (lo + hi) >> 1;
-    if (__ldg(P + mid) <= u) lo = mid; else hi = mid;
-  }
-  return lo;
-}
+using namespace dense;
+constexpr int kUnit = kUnitMma;  // tokens per work unit of this kernel
+constexpr int kPRow = kUnit + 8;  // padded P row: 80 B = 5 chunks
 
 template <typename T, int kRows>
 struct DecodeConfig {
   static constexpr int kWarpsM = kRows / 16;
   static constexpr int kWarps = kWarpsM * kWarpsN;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = kRows <= 32 ? 4 : 3;
+  static constexpr int kStages = 4;
   static constexpr int kColsPerWarp = kDv / kWarpsN;       // 128
   static constexpr int kNTiles = kColsPerWarp / 8;          // 16
   static constexpr int kKeysPerWarp = kUnit / kWarpsN;      // 8: one n-tile of S
@@ -348,46 +253,20 @@ dense_decode_kernel(const __grid_constant__ DecodeParams p) {
   epilogue(r_cur);
 }
 
-// Merge the partials of requests that span CTAs; zero out requests with no keys.
-template <typename T>
-__global__ void __launch_bounds__(128) dense_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-  const int row = blockIdx.x, r = blockIdx.y;
-  const int* P = p.meta;
-  const int U = __ldg(P + p.batch + 1);
-  const int Pr = __ldg(P + r), Pr1 = __ldg(P + r + 1);
-  T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
-  const int col = threadIdx.x * 4;
-  if (Pr == Pr1) {  // zero-length request (or no unit): out = 0, lse = -inf
-    *reinterpret_cast<uint2*>(out + col) = make_uint2(Mma<T>::pack(0.f, 0.f), Mma<T>::pack(0.f, 0.f));
-    if (threadIdx.x == 0) p.lse[int64_t(r) * p.rows + row] = -INFINITY;
-    return;
-  }
-  const int first = Pr / U, last = (Pr1 - 1) / U;
-  if (first == last) return;  // written directly by its CTA
-  auto slot_row = [&](int c) {
-    const int slot = (c == first && Pr != c * U) ? 1 : 0;
-    return (int64_t(c) * 2 + slot) * p.rows + row;
-  };
-  float mx = -INFINITY;
-  for (int c = first; c <= last; ++c) mx = fmaxf(mx, p.part_lse[slot_row(c)]);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-  if (mx != -INFINITY) {
-    for (int c = first; c <= last; ++c) {
-      const int64_t pr = slot_row(c);
-      const float w = __expf(p.part_lse[pr] - mx);
-      wsum += w;
-      const float4 v = *reinterpret_cast<const float4*>(p.part_out + pr * kDv + col);
-      acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
-    }
-  }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  *reinterpret_cast<uint2*>(out + col) =
-      make_uint2(Mma<T>::pack(acc[0] * inv, acc[1] * inv), Mma<T>::pack(acc[2] * inv, acc[3] * inv));
-  if (threadIdx.x == 0) p.lse[int64_t(r) * p.rows + row] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
+template <typename T, int kRows>
+void launch_decode(const DecodeParams& p, cudaStream_t stream) {
+  using Cfg = DecodeConfig<T, kRows>;
+  auto kernel = dense_decode_kernel<T, kRows>;
+  MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmem)));
+  dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
+  MLA_CHECK_LAUNCH();
+  launch_combine<T>(p, stream);
 }
 
 __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict__ seq_lens, int batch,
-                                                          int* __restrict__ meta, int num_ctas, int min_units) {
+                                                          int* __restrict__ meta, int num_ctas, int min_units,
+                                                          int unit) {
   using Scan = cub::BlockScan<int, 1024>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int carry;
@@ -396,7 +275,7 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
   for (int base = 0; base < batch; base += 1024) {
     const int b = base + threadIdx.x;
     const int len = b < batch ? max(seq_lens[b], 0) : 0;
-    int units = (len + kUnit - 1) / kUnit, incl, agg;
+    int units = (len + unit - 1) / unit, incl, agg;
     Scan(tmp).InclusiveSum(units, incl, agg);
     if (b < batch) meta[b + 1] = carry + incl;
     __syncthreads();
@@ -409,30 +288,23 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
   }
 }
 
-template <typename T, int kRows>
-void launch_decode(const DecodeParams& p, cudaStream_t stream) {
-  using Cfg = DecodeConfig<T, kRows>;
-  auto kernel = dense_decode_kernel<T, kRows>;
-  MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmem)));
-  dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
-  MLA_CHECK_LAUNCH();
-  dense_decode_combine_kernel<T><<<dim3(p.rows, p.batch), 128, 0, stream>>>(p);
-  MLA_CHECK_LAUNCH();
-}
 
 }  // namespace
 
-void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_ctas, int64_t min_units) {
+void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_ctas, int64_t min_units,
+                 int64_t unit_tokens) {
   TORCH_CHECK(seq_lens.is_cuda() && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "plan_decode: seq_lens must be contiguous int32 on CUDA");
   TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == at::kInt &&
                   metadata.numel() == seq_lens.numel() + 2,
               "plan_decode: metadata must be int32 [batch + 2]");
   TORCH_CHECK(num_ctas >= 1 && min_units >= 1, "plan_decode: num_ctas and min_units must be >= 1");
+  TORCH_CHECK(unit_tokens == kUnitMma || unit_tokens == kUnitWgmma, "plan_decode: unit_tokens must be ",
+              kUnitMma, " or ", kUnitWgmma, ", got ", unit_tokens);
   const c10::cuda::CUDAGuard guard(seq_lens.device());
   plan_decode_kernel<<<1, 1024, 0, at::cuda::getCurrentCUDAStream()>>>(
-      seq_lens.data_ptr<int>(), int(seq_lens.numel()), metadata.data_ptr<int>(), int(num_ctas), int(min_units));
+      seq_lens.data_ptr<int>(), int(seq_lens.numel()), metadata.data_ptr<int>(), int(num_ctas), int(min_units),
+      int(unit_tokens));
   MLA_CHECK_LAUNCH();
 }
 
@@ -478,7 +350,7 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   } else if (rows_per_cta == 32) {
     if (bf16) launch_decode<__nv_bfloat16, 32>(p, stream); else launch_decode<__half, 32>(p, stream);
   } else if (rows_per_cta == 64) {
-    if (bf16) launch_decode<__nv_bfloat16, 64>(p, stream); else launch_decode<__half, 64>(p, stream);
+    dense::launch_decode_wgmma(p, bf16, stream);
   } else {
     TORCH_CHECK(false, "mla_decode: rows_per_cta must be 16, 32 or 64, got ", rows_per_cta);
   }

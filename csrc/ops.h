@@ -7,7 +7,8 @@ namespace mla_backend {
 
 at::Tensor probe_scale(const at::Tensor& x, double alpha);
 
-void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_ctas, int64_t min_units);
+void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_ctas, int64_t min_units,
+                 int64_t unit_tokens);
 
 void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                 const at::Tensor& seq_lens, const at::Tensor& metadata, at::Tensor& partial_out,

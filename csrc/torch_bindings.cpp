@@ -6,7 +6,9 @@
 
 TORCH_LIBRARY(mla_backend, m) {
   m.def("probe_scale(Tensor x, float alpha) -> Tensor");
-  m.def("plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, int min_units) -> ()");
+  m.def(
+      "plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, int min_units, int unit_tokens) "
+      "-> ()");
   m.def(
       "mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor metadata, "
       "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, "

@@ -19,10 +19,9 @@ D_V = 512
 PAGE_SIZE = 64
 MAX_HEADS = 128
 MAX_Q_TOKENS_PER_REQ = 8
-# Tokens per unit of split-KV work; the planner deals whole units to CTAs.
-UNIT_TOKENS = 32
-# A CTA gets at least this many units: fewer splits for short contexts, a cheaper combine.
-MIN_UNITS_PER_CTA = 4
+# A CTA gets at least this many tokens of work: fewer splits for short contexts, a
+# cheaper combine.
+MIN_TOKENS_PER_CTA = 128
 _QUERY_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -79,7 +78,7 @@ class DecodePlan:
     """Split-KV schedule of one decode step, shared by every layer of that step.
 
     metadata (int32 [batch + 2], on the GPU): unit prefix sums P[0..batch] (request b owns
-    work units [P[b], P[b+1]), a unit = UNIT_TOKENS tokens) and, at [batch + 1], the units
+    work units [P[b], P[b+1]), a unit = unit_tokens keys) and, at [batch + 1], the units
     per CTA. CTA c of a grid of num_ctas processes units [c * U, (c + 1) * U): the schedule
     is a closed form of P and U, so the planner is one small kernel with no host sync.
     partial_out / partial_lse hold the results of requests that span CTAs (two slots per
@@ -92,6 +91,7 @@ class DecodePlan:
     q_tokens_per_req: int
     num_heads: int
     rows_per_cta: int
+    unit_tokens: int
     num_ctas: int
     metadata: torch.Tensor
     partial_out: torch.Tensor
@@ -102,9 +102,15 @@ class DecodePlan:
         return self.q_tokens_per_req * self.num_heads
 
 
-def _rows_per_cta(rows: int) -> int:
-    # 16 rows: the few-head (TP8 / TP16) case pays for no padded MMA rows.
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+def _tile(rows: int) -> tuple[int, int]:
+    """(rows per CTA, tokens per work unit) of the kernel that serves `rows` query rows.
+    Up to 32 rows: the mma.sync kernel, so few heads (TP8 / TP16) pay for no padded rows;
+    more: the wgmma kernel with 64-row tiles and one 64-token page per unit."""
+    if rows <= 16:
+        return 16, 32
+    if rows <= 32:
+        return 32, 32
+    return 64, 64
 
 
 def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: int, *,
@@ -124,7 +130,7 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
     device = seq_lens.device
     batch = seq_lens.shape[0]
     rows = num_q_tokens_per_req * num_heads
-    rows_per_cta = _rows_per_cta(rows)
+    rows_per_cta, unit_tokens = _tile(rows)
     if out is not None:
         if (out.batch, out.q_tokens_per_req, out.num_heads) != (batch, num_q_tokens_per_req,
                                                                  num_heads):
@@ -141,13 +147,15 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
         num_ctas = max(1, sms // m_tiles)
         plan = DecodePlan(
             batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads,
-            rows_per_cta=rows_per_cta, num_ctas=num_ctas,
+            rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
             metadata=torch.empty(batch + 2, dtype=torch.int32, device=device),
             partial_out=torch.empty(2 * num_ctas, rows, D_V, dtype=torch.float32, device=device),
             partial_lse=torch.empty(2 * num_ctas, rows, dtype=torch.float32, device=device),
         )
     _extension.require("plan_decode")
-    torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, MIN_UNITS_PER_CTA)
+    min_units = max(1, MIN_TOKENS_PER_CTA // plan.unit_tokens)
+    torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
+                                      plan.unit_tokens)
     return plan
 
 

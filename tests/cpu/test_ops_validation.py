@@ -11,7 +11,7 @@ def _args(batch=2, s_q=1, heads=16, dtype=torch.bfloat16):
     cache = torch.randn(4, 64, 576).to(dtype)
     table = torch.zeros(batch, 2, dtype=torch.int32)
     seq = torch.full((batch,), 10, dtype=torch.int32)
-    plan = ops.DecodePlan(batch=batch, q_tokens_per_req=s_q, num_heads=heads, rows_per_cta=16,
+    plan = ops.DecodePlan(batch=batch, q_tokens_per_req=s_q, num_heads=heads, rows_per_cta=16, unit_tokens=32,
                           num_ctas=1, metadata=torch.zeros(batch + 2, dtype=torch.int32),
                           partial_out=torch.zeros(2, s_q * heads, 512),
                           partial_lse=torch.zeros(2, s_q * heads))

@@ -1,5 +1,5 @@
 """fp8_ds_mla bytes from formats.quantize_fp8_ds_mla against vLLM 0.25's own cache writer
-(torch.ops._C.concat_and_cache_mla with kv_cache_dtype="fp8_ds_mla"). Needs the GPU and
+(torch.ops._C_cache_ops.concat_and_cache_mla, kv_cache_dtype="fp8_ds_mla"). Needs the GPU and
 vLLM's compiled ops (kit parts 0 and 1 on the GPU machine)."""
 
 import pytest
@@ -12,10 +12,10 @@ pytestmark = pytest.mark.gpu
 
 def _vllm_writer():
     try:
-        import vllm._C  # noqa: F401  registers torch.ops._C
+        import vllm._C_stable_libtorch  # noqa: F401  registers torch.ops._C_cache_ops
     except ImportError as e:
         pytest.skip(f"vLLM's compiled ops are not installed here ({e})")
-    return torch.ops._C.concat_and_cache_mla
+    return torch.ops._C_cache_ops.concat_and_cache_mla
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 1000])
