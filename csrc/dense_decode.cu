@@ -22,7 +22,8 @@ struct DecodeConfig {
   static constexpr int kWarpsM = kRows / 16;
   static constexpr int kWarps = kWarpsM * kWarpsN;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = 4;
+  static constexpr int kStages = kRows == 16 ? 2 : 4;  // 16 rows: two CTAs per SM
+  static constexpr int kMinCtasPerSm = kRows == 16 ? 2 : 1;
   static constexpr int kColsPerWarp = kDv / kWarpsN;       // 128
   static constexpr int kNTiles = kColsPerWarp / 8;          // 16
   static constexpr int kKeysPerWarp = kUnit / kWarpsN;      // 8: one n-tile of S
@@ -35,7 +36,7 @@ struct DecodeConfig {
 };
 
 template <typename T, int kRows>
-__global__ void __launch_bounds__(DecodeConfig<T, kRows>::kThreads, 1)
+__global__ void __launch_bounds__(DecodeConfig<T, kRows>::kThreads, DecodeConfig<T, kRows>::kMinCtasPerSm)
 dense_decode_kernel(const __grid_constant__ DecodeParams p) {
   using Cfg = DecodeConfig<T, kRows>;
   constexpr int kStages = Cfg::kStages;
@@ -329,6 +330,7 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   p.q_stride_b = q.stride(0); p.q_stride_s = q.stride(1); p.q_stride_h = q.stride(2);
   p.kv = kv_cache.data_ptr();
   p.kv_stride_block = kv_cache.stride(0); p.kv_stride_tok = kv_cache.stride(1);
+  p.num_blocks = kv_cache.size(0);
   p.block_table = block_table.data_ptr<int>();
   p.bt_stride = block_table.stride(0);
   p.max_blocks = int(block_table.size(1));

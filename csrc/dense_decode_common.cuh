@@ -25,6 +25,7 @@ struct DecodeParams {
   int64_t q_stride_b, q_stride_s, q_stride_h;
   const void* kv;
   int64_t kv_stride_block, kv_stride_tok;
+  int64_t num_blocks;
   const int* block_table;
   int64_t bt_stride;
   int max_blocks;

@@ -7,8 +7,11 @@
 //   softmax    : row maxima exchanged through smem, P (bf16/fp16) written to smem;
 //   O += P V   : warpgroup w owns output columns [256w, 256w+256) (wgmma m64n256k16,
 //                V = the first 512 columns of the same K tile, read MN-major).
-// The next page streams in with cp.async while this one computes (two stages).
+// The next page streams in by TMA (one thread, nine 64x64 boxes, completion on an mbarrier)
+// while this one computes (two stages).
 // Shared memory: Q 72 KiB + 2 x K 72 KiB + P 8 KiB + reductions = 225 KiB (one CTA/SM).
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 
@@ -26,7 +29,7 @@ constexpr int kThreads = 256;
 constexpr int kChunkBytes = 64 * 128;                // one 64-column chunk of a 64-row tile
 constexpr int kTileBytes = (kDqk / 64) * kChunkBytes;  // 9 chunks: 72 KiB
 constexpr int kPBytes = kChunkBytes;                 // 64 rows x 64 keys
-constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 2 * 2 * kRows * sizeof(float) + 1024;
+constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 2 * 2 * kRows * sizeof(float) + 16 + 1024;
 
 // Byte offset of element (row, col) in a [64 x cols] tile stored as 64-column chunks of
 // 128-byte rows with the 128-byte swizzle (16-byte unit index XOR row % 8), the canonical
@@ -71,13 +74,33 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// 16-byte async copy to a shared-memory address (src_bytes = 0 zero-fills without reading)
-__device__ __forceinline__ void cp_async_16_to(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(phase) : "memory");
+}
+// One 64-column x 64-token box of page `blk` into a swizzled 8 KiB chunk.
+__device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int col, int blk,
+                                             uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(0), "r"(blk), "r"(bar) : "memory");
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
+                                                                       const __grid_constant__ CUtensorMap kv_map) {
   extern __shared__ unsigned char smem_raw[];
   // SW128 atoms must start on 1024-byte boundaries
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -88,6 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   const uint32_t sP = base + 3 * kTileBytes;
   float* sMax = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);  // [2][64]
   float* sSum = sMax + 2 * kRows;                                             // [2][64]
+  const uint32_t bar0 = sP + kPBytes + 4 * kRows * sizeof(float);              // 2 mbarriers
 
   const int* P = p.meta;
   const int total = __ldg(P + p.batch);
@@ -105,21 +129,19 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   const int qd = lane & 3;
   const T* kv = static_cast<const T*>(p.kv);
 
+  // Page of unit u: (request, page index); the consumer recomputes it for masking.
   int r_load = request_of_unit(P, p.batch, u_begin);
-  auto load_unit = [&](int u, int stage) {
+  auto load_unit = [&](int u, int stage) {  // thread 0 only
     while (u >= __ldg(P + r_load + 1)) ++r_load;
     const int blk_idx = u - __ldg(P + r_load);
-    const int tok0 = blk_idx * kKeys;
-    const int n_valid = min(kKeys, __ldg(p.seq_lens + r_load) - tok0);
-    const bool blk_ok = blk_idx < p.max_blocks;
-    const int blk = blk_ok ? __ldg(p.block_table + r_load * p.bt_stride + blk_idx) : 0;
-    const T* src_base = kv + int64_t(blk) * p.kv_stride_block;
-    const uint32_t dst = sK0 + stage * kTileBytes;
-    for (int i = tid; i < kKeys * kChunksPerRow; i += kThreads) {
-      const int t = i / kChunksPerRow, c = i % kChunksPerRow;
-      const bool ok = blk_ok && t < n_valid;
-      const T* src = ok ? src_base + int64_t(t) * p.kv_stride_tok + c * 8 : kv;
-      cp_async_16_to(dst + sw128_offset(t, c * 8), src, ok ? 16 : 0);
+    const uint32_t bar = bar0 + stage * 8;
+    if (blk_idx < p.max_blocks) {
+      const int blk = __ldg(p.block_table + r_load * p.bt_stride + blk_idx);
+      mbar_expect_tx(bar, kTileBytes);
+#pragma unroll
+      for (int j = 0; j < kDqk / 64; ++j) tma_load_box(sK0 + stage * kTileBytes + j * kChunkBytes, &kv_map, j * 64, blk, bar);
+    } else {
+      mbar_arrive(bar);  // nothing to load: the consumer zeroes the whole page
     }
   };
 
@@ -138,8 +160,14 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
     }
   };
 
-  load_unit(u_begin, 0);
-  asm volatile("cp.async.commit_group;\n");
+  if (tid == 0) {
+    mbar_init(bar0);
+    mbar_init(bar0 + 8);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    load_unit(u_begin, 0);
+  }
+  __syncthreads();      // barriers initialised before anyone waits on them
+  uint32_t phases = 0;  // bit s: parity of stage s's next completion
   int r_cur = request_of_unit(P, p.batch, u_begin);
   load_q(r_cur);
 
@@ -199,15 +227,23 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
       load_q(r_cur);
       reset_state();
     }
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    fence_proxy_async();  // cp.async and st.shared writes -> visible to the tensor cores
-    __syncthreads();      // page u landed everywhere; every warpgroup finished page u-1
-    if (u + 1 < u_end) load_unit(u + 1, stage ^ 1);
-    asm volatile("cp.async.commit_group;\n");
-
     const uint32_t sK = sK0 + stage * kTileBytes;
     const int tok0 = (u - __ldg(P + r_cur)) * kKeys;
     const int seq_len = __ldg(p.seq_lens + r_cur);
+    mbar_wait(bar0 + stage * 8, (phases >> stage) & 1);
+    phases ^= 1u << stage;
+    // Tokens past seq_len (last page) or a page with no block-table entry: zero the rows so
+    // that 0-probability keys contribute 0, not 0 * NaN.
+    const int n_valid = (u - __ldg(P + r_cur)) < p.max_blocks ? min(kKeys, seq_len - tok0) : 0;
+    if (n_valid < kKeys) {
+      for (int i = tid; i < (kKeys - n_valid) * kChunksPerRow; i += kThreads) {
+        const int t = n_valid + i / kChunksPerRow, c = i % kChunksPerRow;
+        *reinterpret_cast<uint4*>(smem + (sK - base) + sw128_offset(t, c * 8)) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    fence_proxy_async();  // st.shared writes (Q, zeroed rows) -> visible to the tensor cores
+    __syncthreads();      // every warpgroup finished page u-1: its stage can be refilled
+    if (tid == 0 && u + 1 < u_end) load_unit(u + 1, stage ^ 1);
 
     // ---- S = Q K^T: 64 rows x 32 keys [32 wg, 32 wg + 32), depth 576 = 36 k-steps
     float s[16] = {};
@@ -264,10 +300,13 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
       }
       l_run[hr] = l_run[hr] * alpha[hr] + psum;
     }
+    // the running max rarely moves after the first pages: skip the 128 multiplies then
+    if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      o[n * 4 + 0] *= alpha[0]; o[n * 4 + 1] *= alpha[0];
-      o[n * 4 + 2] *= alpha[1]; o[n * 4 + 3] *= alpha[1];
+      for (int n = 0; n < 32; ++n) {
+        o[n * 4 + 0] *= alpha[0]; o[n * 4 + 1] *= alpha[0];
+        o[n * 4 + 2] *= alpha[1]; o[n * 4 + 3] *= alpha[1];
+      }
     }
     fence_proxy_async();
     __syncthreads();  // P complete; sMax reads done
@@ -288,8 +327,32 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
     fence_regs<128>(o);
     stage ^= 1;
   }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   epilogue(r_cur);
+}
+
+// Tensor map of the paged cache as [num_blocks][64][576] with the cache's own strides (a
+// layer's view of a cross-layer buffer works), 64x64 boxes, 128-byte swizzle.
+CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    MLA_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
+    TORCH_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr, "mla_decode: cuTensorMapEncodeTiled not found");
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {cuuint64_t(kDqk), cuuint64_t(kPage), cuuint64_t(p.num_blocks)};
+  const cuuint64_t strides[2] = {cuuint64_t(p.kv_stride_tok) * 2, cuuint64_t(p.kv_stride_block) * 2};
+  const cuuint32_t box[3] = {64, 64, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+                            const_cast<void*>(p.kv), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "mla_decode: cuTensorMapEncodeTiled failed with error ", int(r),
+              " (kv_cache must be 16-byte aligned with 16-byte multiple strides)");
+  return map;
 }
 
 template <typename T>
@@ -297,7 +360,8 @@ void launch_wgmma(const DecodeParams& p, cudaStream_t stream) {
   auto kernel = dense_decode_wgmma_kernel<T>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
-  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  const CUtensorMap map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
+  kernel<<<grid, kThreads, kSmem, stream>>>(p, map);
   MLA_CHECK_LAUNCH();
   launch_combine<T>(p, stream);
 }

@@ -102,15 +102,16 @@ class DecodePlan:
         return self.q_tokens_per_req * self.num_heads
 
 
-def _tile(rows: int) -> tuple[int, int]:
-    """(rows per CTA, tokens per work unit) of the kernel that serves `rows` query rows.
-    Up to 32 rows: the mma.sync kernel, so few heads (TP8 / TP16) pay for no padded rows;
-    more: the wgmma kernel with 64-row tiles and one 64-token page per unit."""
+def _tile(rows: int) -> tuple[int, int, int]:
+    """(rows per CTA, tokens per work unit, CTAs per SM) of the kernel serving `rows` query
+    rows. Up to 32 rows: the mma.sync kernel, so few heads (TP8 / TP16) pay for no padded
+    rows (16-row tiles fit two CTAs per SM); more: the wgmma kernel, 64-row tiles, one
+    64-token page per unit. Must agree with the kernels' shared-memory sizes."""
     if rows <= 16:
-        return 16, 32
+        return 16, 32, 2
     if rows <= 32:
-        return 32, 32
-    return 64, 64
+        return 32, 32, 1
+    return 64, 64, 1
 
 
 def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: int, *,
@@ -130,7 +131,7 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
     device = seq_lens.device
     batch = seq_lens.shape[0]
     rows = num_q_tokens_per_req * num_heads
-    rows_per_cta, unit_tokens = _tile(rows)
+    rows_per_cta, unit_tokens, ctas_per_sm = _tile(rows)
     if out is not None:
         if (out.batch, out.q_tokens_per_req, out.num_heads) != (batch, num_q_tokens_per_req,
                                                                  num_heads):
@@ -142,9 +143,8 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
     else:
         m_tiles = math.ceil(rows / rows_per_cta)
         sms = num_sms if num_sms is not None else _num_sms(device)
-        # One wave: each CTA needs most of an SM's shared memory (one CTA per SM), and
-        # the planner gives every CTA the same number of units.
-        num_ctas = max(1, sms // m_tiles)
+        # One wave (the planner gives every CTA the same number of units).
+        num_ctas = max(1, sms * ctas_per_sm // m_tiles)
         plan = DecodePlan(
             batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads,
             rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
@@ -183,8 +183,9 @@ def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, 
     if kv_scale is not None:
         raise ValueError(f"kv_scale applies only to an fp8 kv_cache; kv_cache is {kv_cache.dtype}")
     _require(kv_cache.stride(2) == 1 and kv_cache.stride(1) % 8 == 0
-             and kv_cache.stride(0) % 8 == 0, "kv_cache", kv_cache,
-             "must have a contiguous last dim and 16-byte aligned block/token strides")
+             and kv_cache.stride(0) % 8 == 0 and kv_cache.data_ptr() % 16 == 0, "kv_cache",
+             kv_cache, "must be 16-byte aligned with a contiguous last dim and 16-byte aligned "
+             "block/token strides")
     _require(block_table.dim() == 2 and block_table.dtype == torch.int32
              and block_table.shape[0] == batch and block_table.stride(1) == 1, "block_table",
              block_table, f"must be int32 [batch={batch}, max_blocks] with a contiguous last dim")
