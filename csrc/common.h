@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #define MLA_CHECK_CUDA(expr)                                                       \
   do {                                                                             \
     cudaError_t err__ = (expr);                                                    \
@@ -16,6 +18,30 @@
 #define MLA_CHECK_LAUNCH() MLA_CHECK_CUDA(cudaGetLastError())
 
 namespace mla_backend {
+
+// Programmatic dependent launch (sm_90): a kernel launched with launch_pdl may start while
+// the previous kernel in the stream finishes; it must call pdl_wait() before touching
+// anything that kernel wrote. pdl_launch_dependents() lets the next kernel start early.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+template <typename... KArgs, typename... Args>
+inline void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  MLA_CHECK_CUDA(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 inline int device_sm_count(int device) {
   int n = 0;

@@ -1,5 +1,6 @@
-// Dense paged MLA decode (v1): split-KV flash-decoding with mma.sync m16n8k16 tensor-core
-// tiles, a cp.async multi-stage KV pipeline, a closed-form GPU planner and an lse combine.
+// Dense paged MLA decode: the planner, the host entry point, and the mma.sync m16n8k16
+// kernel for 16-row tiles (rows = s_q * H <= 16: TP8/TP16 head counts pay for no padded
+// MMA rows; larger tiles run on the wgmma kernel, dense_decode_sm90.cu).
 // Schedule and numbers: docs/kernels/dense_decode.md.
 //
 // Work unit: 32 consecutive tokens of one request (half a 64-token page). The planner
@@ -22,8 +23,8 @@ struct DecodeConfig {
   static constexpr int kWarpsM = kRows / 16;
   static constexpr int kWarps = kWarpsM * kWarpsN;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = kRows == 16 ? 2 : 4;  // 16 rows: two CTAs per SM
-  static constexpr int kMinCtasPerSm = kRows == 16 ? 2 : 1;
+  static constexpr int kStages = 2;        // 95 KiB of shared memory: two CTAs per SM
+  static constexpr int kMinCtasPerSm = 2;
   static constexpr int kColsPerWarp = kDv / kWarpsN;       // 128
   static constexpr int kNTiles = kColsPerWarp / 8;          // 16
   static constexpr int kKeysPerWarp = kUnit / kWarpsN;      // 8: one n-tile of S
@@ -47,14 +48,16 @@ dense_decode_kernel(const __grid_constant__ DecodeParams p) {
   float* sRedMax = reinterpret_cast<float*>(smem + Cfg::kSmemQ + Cfg::kSmemKV + Cfg::kSmemP);
   float* sRedSum = sRedMax + kWarpsN * kRows;
 
+  pdl_launch_dependents();
+  pdl_wait();  // the plan, q and the cache are written by earlier kernels
   const int* P = p.meta;
   const int total = __ldg(P + p.batch);
   const int U = __ldg(P + p.batch + 1);
   const int cta = blockIdx.x;
+  const int row0 = blockIdx.y * kRows;
   const int u_begin = cta * U;
   if (u_begin >= total) return;
   const int u_end = min(u_begin + U, total);
-  const int row0 = blockIdx.y * kRows;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / kWarpsN, wn = warp % kWarpsN;
@@ -260,8 +263,7 @@ void launch_decode(const DecodeParams& p, cudaStream_t stream) {
   auto kernel = dense_decode_kernel<T, kRows>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(p);
-  MLA_CHECK_LAUNCH();
+  launch_pdl(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmem, stream, p);
   launch_combine<T>(p, stream);
 }
 
@@ -270,6 +272,8 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
                                                           int unit) {
   using Scan = cub::BlockScan<int, 1024>;
   __shared__ typename Scan::TempStorage tmp;
+  pdl_launch_dependents();
+  pdl_wait();  // seq_lens may come from the previous kernel
   __shared__ int carry;
   if (threadIdx.x == 0) { carry = 0; meta[0] = 0; }
   __syncthreads();
@@ -303,10 +307,9 @@ void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_c
   TORCH_CHECK(unit_tokens == kUnitMma || unit_tokens == kUnitWgmma, "plan_decode: unit_tokens must be ",
               kUnitMma, " or ", kUnitWgmma, ", got ", unit_tokens);
   const c10::cuda::CUDAGuard guard(seq_lens.device());
-  plan_decode_kernel<<<1, 1024, 0, at::cuda::getCurrentCUDAStream()>>>(
-      seq_lens.data_ptr<int>(), int(seq_lens.numel()), metadata.data_ptr<int>(), int(num_ctas), int(min_units),
-      int(unit_tokens));
-  MLA_CHECK_LAUNCH();
+  launch_pdl(plan_decode_kernel, dim3(1), dim3(1024), 0, at::cuda::getCurrentCUDAStream(),
+             seq_lens.data_ptr<int>(), int(seq_lens.numel()), metadata.data_ptr<int>(), int(num_ctas), int(min_units),
+             int(unit_tokens));
 }
 
 void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -349,12 +352,10 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   TORCH_CHECK(bf16 || q.scalar_type() == at::kHalf, "mla_decode: q must be bf16 or fp16");
   if (rows_per_cta == 16) {
     if (bf16) launch_decode<__nv_bfloat16, 16>(p, stream); else launch_decode<__half, 16>(p, stream);
-  } else if (rows_per_cta == 32) {
-    if (bf16) launch_decode<__nv_bfloat16, 32>(p, stream); else launch_decode<__half, 32>(p, stream);
   } else if (rows_per_cta == 64) {
     dense::launch_decode_wgmma(p, bf16, stream);
   } else {
-    TORCH_CHECK(false, "mla_decode: rows_per_cta must be 16, 32 or 64, got ", rows_per_cta);
+    TORCH_CHECK(false, "mla_decode: rows_per_cta must be 16 or 64, got ", rows_per_cta);
   }
 }
 

@@ -1,4 +1,4 @@
-// Pieces shared by the dense decode kernels (csrc/dense_decode.cu: mma.sync, rows <= 32;
+// Pieces shared by the dense decode kernels (csrc/dense_decode.cu: mma.sync, 16-row tiles;
 // csrc/dense_decode_sm90.cu: wgmma, 64-row tiles): parameters, small device helpers, the
 // planner and the combine kernel. Schedule: docs/kernels/dense_decode.md.
 #pragma once
@@ -107,17 +107,25 @@ __device__ __forceinline__ int request_of_unit(const int* P, int batch, int u) {
 }
 
 // Merge the partials of requests that span CTAs; zero out requests with no keys.
+// One 128-thread block per (row, request): warp g takes splits c = first + g (mod 4), each
+// lane 16 columns (4 float4 per split), so 16 loads per lane are in flight; the warps'
+// sums meet in shared memory. Blocks of unsplit requests exit at once (the large-batch case).
+constexpr int kCombineWarps = 4;
+
 template <typename T>
-__global__ void __launch_bounds__(128) dense_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(32 * kCombineWarps) dense_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+  __shared__ float4 s_acc[kCombineWarps - 1][4][32];
+  __shared__ float s_red[kCombineWarps];
+  pdl_wait();  // the decode kernel's partials
   const int row = blockIdx.x, r = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int* P = p.meta;
   const int U = __ldg(P + p.batch + 1);
   const int Pr = __ldg(P + r), Pr1 = __ldg(P + r + 1);
   T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
-  const int col = threadIdx.x * 4;
   if (Pr == Pr1) {  // zero-length request (or no unit): out = 0, lse = -inf
-    *reinterpret_cast<uint2*>(out + col) = make_uint2(Mma<T>::pack(0.f, 0.f), Mma<T>::pack(0.f, 0.f));
-    if (threadIdx.x == 0) p.lse[int64_t(r) * p.rows + row] = -INFINITY;
+    *reinterpret_cast<uint2*>(out + tid * 4) = make_uint2(Mma<T>::pack(0.f, 0.f), Mma<T>::pack(0.f, 0.f));
+    if (tid == 0) p.lse[int64_t(r) * p.rows + row] = -INFINITY;
     return;
   }
   const int first = Pr / U, last = (Pr1 - 1) / U;
@@ -126,22 +134,61 @@ __global__ void __launch_bounds__(128) dense_decode_combine_kernel(const __grid_
     const int slot = (c == first && Pr != c * U) ? 1 : 0;
     return (int64_t(c) * 2 + slot) * p.rows + row;
   };
+  auto block_reduce = [&](float v, bool is_max) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float w = __shfl_xor_sync(0xffffffff, v, o);
+      v = is_max ? fmaxf(v, w) : v + w;
+    }
+    if (lane == 0) s_red[warp] = v;
+    __syncthreads();
+    v = s_red[0];
+#pragma unroll
+    for (int i = 1; i < kCombineWarps; ++i) v = is_max ? fmaxf(v, s_red[i]) : v + s_red[i];
+    __syncthreads();
+    return v;
+  };
+  // max and sum of exp over the splits' lse, all threads striding over splits
   float mx = -INFINITY;
-  for (int c = first; c <= last; ++c) mx = fmaxf(mx, p.part_lse[slot_row(c)]);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+  for (int c = first + tid; c <= last; c += 32 * kCombineWarps) mx = fmaxf(mx, __ldg(p.part_lse + slot_row(c)));
+  mx = block_reduce(mx, true);
+  float wsum = 0.f;
+  if (mx != -INFINITY)
+    for (int c = first + tid; c <= last; c += 32 * kCombineWarps) wsum += __expf(__ldg(p.part_lse + slot_row(c)) - mx);
+  wsum = block_reduce(wsum, false);
+  float4 acc[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (mx != -INFINITY) {
-    for (int c = first; c <= last; ++c) {
+#pragma unroll 4
+    for (int c = first + warp; c <= last; c += kCombineWarps) {
       const int64_t pr = slot_row(c);
-      const float w = __expf(p.part_lse[pr] - mx);
-      wsum += w;
-      const float4 v = *reinterpret_cast<const float4*>(p.part_out + pr * kDv + col);
-      acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
+      const float w = __expf(__ldg(p.part_lse + pr) - mx);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(p.part_out + pr * kDv + k * 128 + lane * 4));
+        acc[k].x += w * v.x; acc[k].y += w * v.y; acc[k].z += w * v.z; acc[k].w += w * v.w;
+      }
     }
   }
+  if (warp > 0) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s_acc[warp - 1][k][lane] = acc[k];
+  }
+  __syncthreads();
+  if (warp != 0) return;
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  *reinterpret_cast<uint2*>(out + col) =
-      make_uint2(Mma<T>::pack(acc[0] * inv, acc[1] * inv), Mma<T>::pack(acc[2] * inv, acc[3] * inv));
-  if (threadIdx.x == 0) p.lse[int64_t(r) * p.rows + row] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int g = 0; g < kCombineWarps - 1; ++g) {
+      const float4 v = s_acc[g][k][lane];
+      acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
+    }
+    *reinterpret_cast<uint2*>(out + k * 128 + lane * 4) =
+        make_uint2(Mma<T>::pack(acc[k].x * inv, acc[k].y * inv), Mma<T>::pack(acc[k].z * inv, acc[k].w * inv));
+  }
+  if (lane == 0) p.lse[int64_t(r) * p.rows + row] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
 }
 
 // Launchers (host): tokens per work unit are 32 for the mma.sync kernel, 64 for wgmma.
@@ -151,8 +198,7 @@ void launch_decode_wgmma(const DecodeParams& p, bool bf16, cudaStream_t stream);
 
 template <typename T>
 inline void launch_combine(const DecodeParams& p, cudaStream_t stream) {
-  dense_decode_combine_kernel<T><<<dim3(p.rows, p.batch), 128, 0, stream>>>(p);
-  MLA_CHECK_LAUNCH();
+  launch_pdl(dense_decode_combine_kernel<T>, dim3(p.rows, p.batch), dim3(32 * kCombineWarps), 0, stream, p);
 }
 
 }  // namespace dense

@@ -111,8 +111,15 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   const uint32_t sP = base + 3 * kTileBytes;
   float* sMax = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);  // [2][64]
   float* sSum = sMax + 2 * kRows;                                             // [2][64]
-  const uint32_t bar0 = sP + kPBytes + 4 * kRows * sizeof(float);              // 2 mbarriers
 
+  const uint32_t bar0 = sP + kPBytes + 4 * kRows * sizeof(float);              // 2 mbarriers
+  if (threadIdx.x == 0) {
+    mbar_init(bar0);
+    mbar_init(bar0 + 8);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  pdl_launch_dependents();
+  pdl_wait();  // the plan, q and the cache are written by earlier kernels
   const int* P = p.meta;
   const int total = __ldg(P + p.batch);
   const int U = __ldg(P + p.batch + 1);
@@ -160,12 +167,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
     }
   };
 
-  if (tid == 0) {
-    mbar_init(bar0);
-    mbar_init(bar0 + 8);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    load_unit(u_begin, 0);
-  }
+  if (tid == 0) load_unit(u_begin, 0);
   __syncthreads();      // barriers initialised before anyone waits on them
   uint32_t phases = 0;  // bit s: parity of stage s's next completion
   int r_cur = request_of_unit(P, p.batch, u_begin);
@@ -361,8 +363,7 @@ void launch_wgmma(const DecodeParams& p, cudaStream_t stream) {
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
   const CUtensorMap map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
-  kernel<<<grid, kThreads, kSmem, stream>>>(p, map);
-  MLA_CHECK_LAUNCH();
+  launch_pdl(kernel, grid, dim3(kThreads), kSmem, stream, p, map);
   launch_combine<T>(p, stream);
 }
 

@@ -22,6 +22,10 @@ MAX_Q_TOKENS_PER_REQ = 8
 # A CTA gets at least this many tokens of work: fewer splits for short contexts, a
 # cheaper combine.
 MIN_TOKENS_PER_CTA = 128
+# ...and at least enough that a split's partial (fp32 rows x 512, written then read back
+# by the combine: 4 KiB per row) costs no more than the cache bytes it summarises.
+_PARTIAL_BYTES_PER_ROW = D_V * 4 * 2
+_KV_BYTES_PER_TOKEN = D_QK * 2
 _QUERY_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -104,13 +108,11 @@ class DecodePlan:
 
 def _tile(rows: int) -> tuple[int, int, int]:
     """(rows per CTA, tokens per work unit, CTAs per SM) of the kernel serving `rows` query
-    rows. Up to 32 rows: the mma.sync kernel, so few heads (TP8 / TP16) pay for no padded
-    rows (16-row tiles fit two CTAs per SM); more: the wgmma kernel, 64-row tiles, one
+    rows. Up to 16 rows: the mma.sync kernel, so few heads (TP8 / TP16) pay for no padded
+    rows (16-row tiles, two CTAs per SM); more: the wgmma kernel, 64-row tiles, one
     64-token page per unit. Must agree with the kernels' shared-memory sizes."""
     if rows <= 16:
         return 16, 32, 2
-    if rows <= 32:
-        return 32, 32, 1
     return 64, 64, 1
 
 
@@ -153,7 +155,10 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
             partial_lse=torch.empty(2 * num_ctas, rows, dtype=torch.float32, device=device),
         )
     _extension.require("plan_decode")
-    min_units = max(1, MIN_TOKENS_PER_CTA // plan.unit_tokens)
+    rows_in_tile = min(plan.rows, plan.rows_per_cta)
+    min_tokens = max(MIN_TOKENS_PER_CTA,
+                     rows_in_tile * _PARTIAL_BYTES_PER_ROW // _KV_BYTES_PER_TOKEN)
+    min_units = -(-min_tokens // plan.unit_tokens)
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
                                       plan.unit_tokens)
     return plan
