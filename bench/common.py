@@ -58,7 +58,10 @@ def today() -> str:
 
 
 def git_commit(repo: Path = REPO_ROOT) -> str:
-    """`git rev-parse HEAD` of the repository, or "unknown" (no git, no commit yet)."""
+    """$MLA_BACKEND_COMMIT (the device machine's copy has no .git: pass the sha measured),
+    else `git rev-parse HEAD` of the repository, else "unknown"."""
+    if os.environ.get("MLA_BACKEND_COMMIT"):
+        return os.environ["MLA_BACKEND_COMMIT"]
     try:
         res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                              text=True, timeout=10, check=False)

@@ -1,0 +1,84 @@
+"""Render a results file as a markdown table and a plot (µs vs mean seq_len per H) for docs/.
+
+    python -m bench.report bench/results/dense_decode-h200-2026-11-21.json \
+        --png docs/img/dense_decode-h200-2026-11-21.png > table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+
+
+def table(results: dict) -> str:
+    kernels: list[str] = []
+    for row in results["rows"]:
+        for k in row["us"]:
+            if k not in kernels:
+                kernels.append(k)
+    head = ["H", "s_q", "batch", "seq_len"] + [f"{k} µs" for k in kernels] + [
+        "ours TF/s", "ours GB/s", "ours / best peer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    speedups = []
+    for row in results["rows"]:
+        c = row["config"]
+        cells = [str(c["H"]), str(c["s_q"]), str(c["batch"]), str(c["seq_len"])]
+        cells += [f"{row['us'][k]:.1f}" if k in row["us"] else "-" for k in kernels]
+        cells += [f"{row['tflops_ours']:.0f}", f"{row['gbs_ours']:.0f}",
+                  f"{row['speedup_vs_best_peer']:.2f}"]
+        speedups.append(row["speedup_vs_best_peer"])
+        lines.append("| " + " | ".join(cells) + " |")
+    geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
+    lines.append("")
+    lines.append(f"Geometric mean of ours / best peer: **{geo:.3f}**; worst row "
+                 f"{min(speedups):.3f}; rows at or above 1.0: "
+                 f"{sum(s >= 1.0 for s in speedups)} of {len(speedups)}.")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = sorted({r["config"]["H"] for r in results["rows"]})
+    fig, axes = plt.subplots(1, len(heads), figsize=(4.2 * len(heads), 3.8), squeeze=False)
+    for ax, h in zip(axes[0], heads):
+        series: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for r in results["rows"]:
+            c = r["config"]
+            if c["H"] != h or c["s_q"] != 1 or c["batch"] != 128:
+                continue
+            for k, us in r["us"].items():
+                series[k][c["seq_len"]].append(us)
+        for k, pts in series.items():
+            xs = sorted(pts)
+            ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=k,
+                    linewidth=2.5 if k == "ours" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"H={h}, s_q=1, batch 128")
+        ax.set_xlabel("mean seq_len")
+        ax.set_ylabel("µs per call")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"dense decode, {results['gpu']}, {results['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("results")
+    ap.add_argument("--png", help="write the plot here")
+    args = ap.parse_args()
+    results = json.load(open(args.results))
+    print(table(results))
+    if args.png:
+        plot(results, args.png)
+
+
+if __name__ == "__main__":
+    main()
