@@ -1,15 +1,20 @@
-// Dense paged MLA decode (v2) for 64-row tiles (rows = s_q * H > 32): wgmma (sm_90a).
+// Dense paged MLA decode for 64-row tiles (rows = s_q * H > 16): wgmma (sm_90a), two
+// warpgroups alternating pages ("seesaw"; the idea is FlashMLA's, this code is ours).
 //
-// A CTA is two warpgroups (256 threads) over one 64-row tile of one m-tile; the work unit
-// is one 64-token page. Per page:
-//   S  = Q K^T : warpgroup w computes 64 rows x keys [32w, 32w+32) over depth 576
-//                (wgmma m64n32k16, Q and K read by the tensor cores from swizzled smem);
-//   softmax    : row maxima exchanged through smem, P (bf16/fp16) written to smem;
-//   O += P V   : warpgroup w owns output columns [256w, 256w+256) (wgmma m64n256k16,
-//                V = the first 512 columns of the same K tile, read MN-major).
-// The next page streams in by TMA (one thread, nine 64x64 boxes, completion on an mbarrier)
-// while this one computes (two stages).
-// Shared memory: Q 72 KiB + 2 x K 72 KiB + P 8 KiB + reductions = 225 KiB (one CTA/SM).
+// A CTA (256 threads) works on one 64-row tile; its unit of work is one 64-token page.
+// Pages of a request piece go in pairs: warpgroup 0 owns even pages (buffer K0), warpgroup 1
+// odd pages (buffer K1). Warpgroup w holds output columns [256w, 256w + 256).
+//   S        : each warpgroup computes S = Q K^T for its own page, 64 rows x 64 keys over
+//              576 (wgmma m64n64k16; Q chunks 0-7 from smem, the rope chunk 8 from
+//              registers, since its smem holds the second P buffer).
+//   softmax  : warpgroup 0 first, then warpgroup 1 on top of its running max; the max and
+//              the rescale factors go through smem (named barriers SM0, SM1).
+//   PV       : each warpgroup multiplies its own P from registers (RS) by its half of its own
+//              page's V, and the other's P (smem, after barriers P0 / P1) by its half of the
+//              other page's V.
+// Each half of a K buffer (chunks 0-3 = V left, 4-8 = V right + rope) goes back to TMA as
+// soon as its last reader's wgmma retires, so the next pair of pages streams in while this
+// pair computes. Shared memory: Q 72 KiB + 2 x K 72 KiB + P0 8 KiB + scalars = 225 KiB.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -29,7 +34,12 @@ constexpr int kThreads = 256;
 constexpr int kChunkBytes = 64 * 128;                // one 64-column chunk of a 64-row tile
 constexpr int kTileBytes = (kDqk / 64) * kChunkBytes;  // 9 chunks: 72 KiB
 constexpr int kPBytes = kChunkBytes;                 // 64 rows x 64 keys
-constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 2 * 2 * kRows * sizeof(float) + 16 + 1024;
+constexpr int kHalfL = 4 * kChunkBytes;             // chunks 0-3: V columns 0-255
+constexpr int kHalfR = 5 * kChunkBytes;             // chunks 4-8: V columns 256-511 + rope
+// Q, K0, K1, P0; sM, sScale0, sScale1, sSum[2] (5 x 64 floats); 4 mbarriers; alignment slack
+constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 5 * kRows * sizeof(float) + 4 * 8 + 1024;
+static_assert(kSmem <= 232448, "more shared memory than an sm_90 block can have");
+constexpr float kNoMax = -1e30f;  // running-max start: finite, so no inf - inf
 
 // Byte offset of element (row, col) in a [64 x cols] tile stored as 64-column chunks of
 // 128-byte rows with the 128-byte swizzle (16-byte unit index XOR row % 8), the canonical
@@ -48,20 +58,48 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t smem_byte_addr, uint32_t 
   return d;
 }
 
+namespace G = cute::SM90::GMMA;
 template <typename T> struct Gmma;
 template <> struct Gmma<__nv_bfloat16> {
-  using QK = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using PV = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+  using QK_SS = G::MMA_64x64x16_F32BF16BF16_SS<G::Major::K, G::Major::K>;
+  using QK_RS = G::MMA_64x64x16_F32BF16BF16_RS<G::Major::K, G::Major::K>;
+  using PV_SS = G::MMA_64x256x16_F32BF16BF16_SS<G::Major::K, G::Major::MN>;
+  using PV_RS = G::MMA_64x256x16_F32BF16BF16_RS<G::Major::K, G::Major::MN>;
 };
 template <> struct Gmma<__half> {
-  using QK = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using PV = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+  using QK_SS = G::MMA_64x64x16_F32F16F16_SS<G::Major::K, G::Major::K>;
+  using QK_RS = G::MMA_64x64x16_F32F16F16_RS<G::Major::K, G::Major::K>;
+  using PV_SS = G::MMA_64x256x16_F32F16F16_SS<G::Major::K, G::Major::MN>;
+  using PV_RS = G::MMA_64x256x16_F32F16F16_RS<G::Major::K, G::Major::MN>;
 };
 
 template <typename Op, size_t... I>
-__device__ __forceinline__ void gmma_call(uint64_t da, uint64_t db, float* d, bool accumulate,
-                                          std::index_sequence<I...>) {
-  Op::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float* d, bool accumulate,
+                                        std::index_sequence<I...>) {
+  Op::fma(da, db, d[I]..., accumulate ? G::ScaleOut::One : G::ScaleOut::Zero);
+}
+template <typename Op, size_t... I>
+__device__ __forceinline__ void gmma_rs(const uint32_t* a, uint64_t db, float* d, bool accumulate,
+                                        std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], db, d[I]..., accumulate ? G::ScaleOut::One : G::ScaleOut::Zero);
+}
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Named barriers (id 0 is __syncthreads): both warpgroups, 256 threads ...
+constexpr int kBarMax0 = 1;    // warpgroup 0's max / scale published
+constexpr int kBarMax1 = 2;    // warpgroup 1's max / scale published
+constexpr int kBarP0 = 3;      // P0 in smem
+constexpr int kBarP1 = 4;      // P1 in smem
+constexpr int kBarWg0 = 5;     // ... and one warpgroup's 128 threads (ids 5, 6)
+
+__device__ __forceinline__ void ldmatrix_x4_addr(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
 template <int N>
@@ -79,9 +117,6 @@ __device__ __forceinline__ void mbar_init(uint32_t bar) {
 }
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
   asm volatile(
@@ -107,91 +142,352 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
   const uint32_t sQ = base;
-  const uint32_t sK0 = base + kTileBytes;
-  const uint32_t sP = base + 3 * kTileBytes;
-  float* sMax = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);  // [2][64]
-  float* sSum = sMax + 2 * kRows;                                             // [2][64]
+  auto sKbuf = [&](int b) { return base + (1 + b) * kTileBytes; };
+  const uint32_t sP0 = base + 3 * kTileBytes;
+  const uint32_t sP1 = sQ + 8 * kChunkBytes;  // Q's rope chunk, once it is in registers
+  float* sM = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);  // running max (log2)
+  float* sScale0 = sM + kRows;
+  float* sScale1 = sScale0 + kRows;
+  float* sSum = sScale1 + kRows;                                           // [2][64]
+  // mbarriers: buffer b half h at bars + (2b + h) * 8
+  const uint32_t bars = sP0 + kPBytes + 5 * kRows * sizeof(float);
 
-  const uint32_t bar0 = sP + kPBytes + 4 * kRows * sizeof(float);              // 2 mbarriers
-  if (threadIdx.x == 0) {
-    mbar_init(bar0);
-    mbar_init(bar0 + 8);
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int wg = tid >> 7, wtid = tid & 127;
+  const int wrow = (wtid >> 5) * 16 + (lane >> 2);  // this thread's rows: wrow, wrow + 8
+  const int qd = lane & 3;
+  const bool wg_leader = wtid == 0;
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mbar_init(bars + i * 8);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   pdl_launch_dependents();
   pdl_wait();  // the plan, q and the cache are written by earlier kernels
+
   const int* P = p.meta;
   const int total = __ldg(P + p.batch);
   const int U = __ldg(P + p.batch + 1);
   const int cta = blockIdx.x;
+  const int row0 = blockIdx.y * kRows;
   const int u_begin = cta * U;
   if (u_begin >= total) return;
   const int u_end = min(u_begin + U, total);
-  const int row0 = blockIdx.y * kRows;
+  __syncthreads();  // barriers initialised
 
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int wg = tid >> 7;             // warpgroup: key half for S, column half for PV
-  const int wtid = tid & 127;
-  const int wrow = (wtid >> 5) * 16 + (lane >> 2);  // this thread's rows: wrow, wrow + 8
-  const int qd = lane & 3;
-  const T* kv = static_cast<const T*>(p.kv);
+  uint32_t phases = 0;  // bit (2b + h): parity of buffer b half h's next completion
+  const T* qbase = static_cast<const T*>(p.q);
 
-  // Page of unit u: (request, page index); the consumer recomputes it for masking.
-  int r_load = request_of_unit(P, p.batch, u_begin);
-  auto load_unit = [&](int u, int stage) {  // thread 0 only
-    while (u >= __ldg(P + r_load + 1)) ++r_load;
-    const int blk_idx = u - __ldg(P + r_load);
-    const uint32_t bar = bar0 + stage * 8;
-    if (blk_idx < p.max_blocks) {
-      const int blk = __ldg(p.block_table + r_load * p.bt_stride + blk_idx);
-      mbar_expect_tx(bar, kTileBytes);
+  // page (request r, page index pi) -> TMA of one half of buffer b
+  auto load_half = [&](int b, int h, int r, int pi) {
+    const int blk = pi < p.max_blocks ? __ldg(p.block_table + r * p.bt_stride + pi) : 0;
+    const uint32_t bar = bars + (2 * b + h) * 8;
+    mbar_expect_tx(bar, h == 0 ? kHalfL : kHalfR);
+    const int c0 = h == 0 ? 0 : 4, c1 = h == 0 ? 4 : 9;
+    for (int c = c0; c < c1; ++c) tma_load_box(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, blk, bar);
+  };
+  auto wait_buf = [&](int b) {
 #pragma unroll
-      for (int j = 0; j < kDqk / 64; ++j) tma_load_box(sK0 + stage * kTileBytes + j * kChunkBytes, &kv_map, j * 64, blk, bar);
-    } else {
-      mbar_arrive(bar);  // nothing to load: the consumer zeroes the whole page
+    for (int h = 0; h < 2; ++h) {
+      const int bit = 2 * b + h;
+      mbar_wait(bars + bit * 8, (phases >> bit) & 1);
+      phases ^= 1u << bit;
     }
   };
 
-  const T* qbase = static_cast<const T*>(p.q);
-  auto load_q = [&](int r) {
+  float o[128];
+  float s[32];        // S of this warpgroup's current page, then its P (fp32)
+  uint32_t q8[4][4];  // Q rope chunk (columns 512-575) as wgmma A fragments, 4 k-steps
+  float l_run[2];
+
+  // S = Q K^T for the page in buffer b: 36 k-steps, the last 4 from registers
+  auto issue_s = [&](int b) {
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < 32; ++kk) {
+      const uint32_t koff = (kk >> 2) * kChunkBytes + (kk & 3) * 32;
+      gmma_ss<typename Gmma<T>::QK_SS>(make_desc(sQ + koff, 16, 1024), make_desc(sKbuf(b) + koff, 16, 1024), s,
+                                       kk > 0, std::make_index_sequence<32>{});
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      gmma_rs<typename Gmma<T>::QK_RS>(q8[kk], make_desc(sKbuf(b) + 8 * kChunkBytes + kk * 32, 16, 1024), s, true,
+                                       std::make_index_sequence<32>{});
+    }
+    cute::warpgroup_commit_batch();
+  };
+  // O[:, 256 wg : +256] += P V(page in buffer b), P from registers (pa: 4 k-steps x 4 regs)
+  auto issue_pv_rs = [&](const uint32_t (*pa)[4], int b) {
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      gmma_rs<typename Gmma<T>::PV_RS>(pa[ks], make_desc(sKbuf(b) + wg * kHalfL + ks * 2048, kChunkBytes, 1024), o,
+                                       true, std::make_index_sequence<128>{});
+    }
+    cute::warpgroup_commit_batch();
+  };
+  auto issue_pv_ss = [&](uint32_t sPsrc, int b) {
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      gmma_ss<typename Gmma<T>::PV_SS>(make_desc(sPsrc + ks * 32, 16, 1024),
+                                       make_desc(sKbuf(b) + wg * kHalfL + ks * 2048, kChunkBytes, 1024), o, true,
+                                       std::make_index_sequence<128>{});
+    }
+    cute::warpgroup_commit_batch();
+  };
+  // rows >= n_valid of a page's V (chunks 0-7) hold whatever the cache has there: zero them
+  auto zero_tail = [&](int b, int n_valid) {
+    if (n_valid >= kKeys) return;
+    for (int i = wtid; i < (kKeys - n_valid) * 64; i += 128) {
+      const int t = n_valid + i / 64, c = i % 64;  // 8 chunks x 8 16-byte units per row
+      *reinterpret_cast<uint4*>(smem + (sKbuf(b) - base) + sw128_offset(t, c * 8)) = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();
+    named_sync(kBarWg0 + wg, 128);
+  };
+  // scale S to the log2 domain and mask keys past each row's limit; row maxima of this page
+  auto mask_and_max = [&](int tok0, int seq_len, float* rmax) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row0 + wrow + hr * 8;
+      const int limit = p.causal ? seq_len - p.s_q + row / p.heads + 1 : seq_len;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = tok0 + n * 8 + qd * 2 + e;
+          float& v = s[n * 4 + hr * 2 + e];
+          v = key < limit ? v * p.scale_log2 : -INFINITY;
+          mx = fmaxf(mx, v);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      rmax[hr] = mx;
+    }
+  };
+  // P = exp2(S - m) in place; row sums
+  auto exponentiate = [&](const float* m, float* rsum) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& v = s[n * 4 + hr * 2 + e];
+          v = exp2f(v - m[hr]);
+          sum += v;
+        }
+      }
+      rsum[hr] = sum;
+    }
+  };
+  // P (fp32 registers, times per-row factors) -> A fragments; the m64n64 accumulator layout
+  // is the A layout of four k16 steps
+  auto pack_p = [&](uint32_t (*pa)[4], const float* f) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      pa[ks][0] = Mma<T>::pack(s[8 * ks + 0] * f[0], s[8 * ks + 1] * f[0]);
+      pa[ks][1] = Mma<T>::pack(s[8 * ks + 2] * f[1], s[8 * ks + 3] * f[1]);
+      pa[ks][2] = Mma<T>::pack(s[8 * ks + 4] * f[0], s[8 * ks + 5] * f[0]);
+      pa[ks][3] = Mma<T>::pack(s[8 * ks + 6] * f[1], s[8 * ks + 7] * f[1]);
+    }
+  };
+  auto store_p = [&](uint32_t dst, const uint32_t (*pa)[4]) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const int col = ks * 16 + qd * 2;
+      *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow, col)) = pa[ks][0];
+      *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow + 8, col)) = pa[ks][1];
+      *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow, col + 8)) = pa[ks][2];
+      *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow + 8, col + 8)) = pa[ks][3];
+    }
+    fence_proxy_async();
+  };
+  auto scale_o = [&](const float* f) {
+    if (__any_sync(0xffffffff, f[0] != 1.f || f[1] != 1.f)) {
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        o[n * 4 + 0] *= f[0]; o[n * 4 + 1] *= f[0];
+        o[n * 4 + 2] *= f[1]; o[n * 4 + 3] *= f[1];
+      }
+    }
+  };
+
+  // ---- the CTA's unit range, one request piece at a time
+  int r = request_of_unit(P, p.batch, u_begin);
+  for (int u = u_begin; u < u_end;) {
+    while (u >= __ldg(P + r + 1)) ++r;
+    const int Pr = __ldg(P + r);
+    const int pg_begin = u - Pr, pg_end = min(u_end, __ldg(P + r + 1)) - Pr;  // page indices
+    const int seq_len = __ldg(p.seq_lens + r);
+    // prologue: first pages of the piece (both buffers are free: the previous piece ended
+    // with a CTA barrier after every wgmma retired)
+    if (wg_leader) {
+      const int pg = pg_begin + wg;
+      if (pg < pg_end) { load_half(wg, 0, r, pg); load_half(wg, 1, r, pg); }
+    }
+    // Q tile -> smem, the running max reset
     for (int i = tid; i < kRows * kChunksPerRow; i += kThreads) {
       const int m = i / kChunksPerRow, c = i % kChunksPerRow;
       const int row = row0 + m;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (row < p.rows) {
         const int qi = row / p.heads, h = row % p.heads;
-        v = __ldg(reinterpret_cast<const uint4*>(qbase + r * p.q_stride_b + qi * p.q_stride_s +
-                                                 h * p.q_stride_h) + c);
+        v = __ldg(reinterpret_cast<const uint4*>(qbase + r * p.q_stride_b + qi * p.q_stride_s + h * p.q_stride_h) + c);
       }
       *reinterpret_cast<uint4*>(smem + sw128_offset(m, c * 8)) = v;
     }
-  };
-
-  if (tid == 0) load_unit(u_begin, 0);
-  __syncthreads();      // barriers initialised before anyone waits on them
-  uint32_t phases = 0;  // bit s: parity of stage s's next completion
-  int r_cur = request_of_unit(P, p.batch, u_begin);
-  load_q(r_cur);
-
-  float o[128];
-  float m_run[2], l_run[2];
-  auto reset_state = [&]() {
+    if (tid < kRows) sM[tid] = kNoMax;
+    fence_proxy_async();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {  // Q rope chunk -> registers (A fragments)
+      const int row = (wtid >> 5) * 16 + (lane & 15);
+      ldmatrix_x4_addr(q8[kk], sQ + sw128_offset(row, 512 + kk * 16 + (lane >> 4) * 8));
+    }
+    __syncthreads();  // chunk 8 of sQ is now free for P1
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    m_run[0] = m_run[1] = -INFINITY;
     l_run[0] = l_run[1] = 0.f;
-  };
-  reset_state();
 
-  auto epilogue = [&](int r) {
+    // this warpgroup's first page
+    if (pg_begin + wg < pg_end) {
+      wait_buf(wg);
+      issue_s(wg);
+      cute::warpgroup_wait<0>();
+      fence_regs<32>(s);
+    }
+
+    for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
+      const int pb = pa_ + 1;  // warpgroup 1's page
+      const bool has_b = pb < pg_end;
+      if (wg == 0) {
+        // ---- softmax of page pa_ on top of the running max
+        float rmax[2], m_new[2], scale0[2], rsum[2];
+        mask_and_max(pa_ * kKeys, seq_len, rmax);
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const float m_old = sM[wrow + hr * 8];
+          m_new[hr] = fmaxf(m_old, rmax[hr]);
+          scale0[hr] = exp2f(m_old - m_new[hr]);
+        }
+        __syncwarp();
+        if (qd == 0) {
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) { sM[wrow + hr * 8] = m_new[hr]; sScale0[wrow + hr * 8] = scale0[hr]; }
+        }
+        exponentiate(m_new, rsum);
+        scale_o(scale0);
+        l_run[0] = l_run[0] * scale0[0] + rsum[0];
+        l_run[1] = l_run[1] * scale0[1] + rsum[1];
+        const int n_valid = pa_ < p.max_blocks ? min(kKeys, seq_len - pa_ * kKeys) : 0;
+        zero_tail(0, n_valid);
+        named_arrive(kBarMax0, 256);
+        uint32_t pfrag[4][4];
+        const float one[2] = {1.f, 1.f};
+        pack_p(pfrag, one);
+        fence_regs<128>(o);
+        issue_pv_rs(pfrag, 0);
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(o);
+        named_sync(kBarMax1, 256);
+        // left half of K0 is done (S and both its PV readers are warpgroup 0's)
+        if (wg_leader && pa_ + 2 < pg_end) load_half(0, 0, r, pa_ + 2);
+        const float scale1[2] = {sScale1[wrow], sScale1[wrow + 8]};
+        pack_p(pfrag, scale1);  // P0 rescaled to warpgroup 1's max, for its PV
+        store_p(sP0, pfrag);
+        named_arrive(kBarP0, 256);
+        scale_o(scale1);
+        l_run[0] *= scale1[0];
+        l_run[1] *= scale1[1];
+        if (has_b) {
+          named_sync(kBarP1, 256);
+          fence_regs<128>(o);
+          issue_pv_ss(sP1, 1);
+        }
+        const bool next_a = pa_ + 2 < pg_end;
+        if (next_a) {
+          wait_buf(0);
+          issue_s(0);
+        }
+        if (has_b) {  // the PV with page b retires first: its left half can be refilled
+          if (next_a) cute::warpgroup_wait<1>(); else cute::warpgroup_wait<0>();
+          if (wg_leader && pb + 2 < pg_end) load_half(1, 0, r, pb + 2);
+        }
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(o);
+        fence_regs<32>(s);
+      } else {
+        named_sync(kBarMax0, 256);
+        float rmax[2], m_new[2], scale1[2], rsum[2] = {0.f, 0.f};
+        const float scale0[2] = {sScale0[wrow], sScale0[wrow + 8]};
+        if (has_b) {
+          mask_and_max(pb * kKeys, seq_len, rmax);
+        } else {
+          rmax[0] = rmax[1] = -INFINITY;
+        }
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const float m0 = sM[wrow + hr * 8];  // warpgroup 0's new max
+          m_new[hr] = fmaxf(m0, rmax[hr]);
+          scale1[hr] = exp2f(m0 - m_new[hr]);
+        }
+        __syncwarp();
+        if (qd == 0) {
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) { sM[wrow + hr * 8] = m_new[hr]; sScale1[wrow + hr * 8] = scale1[hr]; }
+        }
+        const float both[2] = {scale0[0] * scale1[0], scale0[1] * scale1[1]};
+        scale_o(both);
+        uint32_t pfrag[4][4];
+        if (has_b) {
+          exponentiate(m_new, rsum);
+          const int n_valid = pb < p.max_blocks ? min(kKeys, seq_len - pb * kKeys) : 0;
+          zero_tail(1, n_valid);
+        }
+        l_run[0] = l_run[0] * both[0] + rsum[0];
+        l_run[1] = l_run[1] * both[1] + rsum[1];
+        named_arrive(kBarMax1, 256);
+        if (has_b) {
+          const float one[2] = {1.f, 1.f};
+          pack_p(pfrag, one);
+          store_p(sP1, pfrag);
+          named_arrive(kBarP1, 256);
+          fence_regs<128>(o);
+          issue_pv_rs(pfrag, 1);
+        }
+        named_sync(kBarP0, 256);
+        fence_regs<128>(o);
+        issue_pv_ss(sP0, 0);
+        if (has_b) {
+          cute::warpgroup_wait<1>();
+          if (wg_leader && pb + 2 < pg_end) load_half(1, 1, r, pb + 2);
+        }
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(o);
+        if (wg_leader && pa_ + 2 < pg_end) load_half(0, 1, r, pa_ + 2);
+        if (pb + 2 < pg_end) {
+          wait_buf(1);
+          issue_s(1);
+          cute::warpgroup_wait<0>();
+          fence_regs<32>(s);
+        }
+      }
+    }
+
+    // ---- epilogue of the piece: row sums of both warpgroups, then out / partial
     float l0 = l_run[0], l1 = l_run[1];
     l0 += __shfl_xor_sync(0xffffffff, l0, 1); l0 += __shfl_xor_sync(0xffffffff, l0, 2);
     l1 += __shfl_xor_sync(0xffffffff, l1, 1); l1 += __shfl_xor_sync(0xffffffff, l1, 2);
     if (qd == 0) { sSum[wg * kRows + wrow] = l0; sSum[wg * kRows + wrow + 8] = l1; }
     __syncthreads();
     const float lt[2] = {sSum[wrow] + sSum[kRows + wrow], sSum[wrow + 8] + sSum[kRows + wrow + 8]};
-    __syncthreads();  // sSum is read before the next epilogue writes it
-    const int Pr = __ldg(P + r), Pr1 = __ldg(P + r + 1);
+    const float mt[2] = {sM[wrow], sM[wrow + 8]};
+    const int Pr1 = __ldg(P + r + 1);
     const bool split = (Pr / U) != ((Pr1 - 1) / U);
     const int slot = Pr <= u_begin ? 0 : 1;
 #pragma unroll
@@ -199,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
       const int row = row0 + wrow + hr * 8;
       if (row >= p.rows) continue;
       const float inv_l = lt[hr] > 0.f ? 1.f / lt[hr] : 0.f;
-      const float lse_row = lt[hr] > 0.f ? (m_run[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
+      const float lse_row = lt[hr] > 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
       if (!split) {
         T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv + wg * 256;
 #pragma unroll
@@ -219,117 +515,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
         if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
       }
     }
-  };
-
-  int stage = 0;
-  for (int u = u_begin; u < u_end; ++u) {
-    if (u >= __ldg(P + r_cur + 1)) {
-      epilogue(r_cur);
-      while (u >= __ldg(P + r_cur + 1)) ++r_cur;
-      load_q(r_cur);
-      reset_state();
-    }
-    const uint32_t sK = sK0 + stage * kTileBytes;
-    const int tok0 = (u - __ldg(P + r_cur)) * kKeys;
-    const int seq_len = __ldg(p.seq_lens + r_cur);
-    mbar_wait(bar0 + stage * 8, (phases >> stage) & 1);
-    phases ^= 1u << stage;
-    // Tokens past seq_len (last page) or a page with no block-table entry: zero the rows so
-    // that 0-probability keys contribute 0, not 0 * NaN.
-    const int n_valid = (u - __ldg(P + r_cur)) < p.max_blocks ? min(kKeys, seq_len - tok0) : 0;
-    if (n_valid < kKeys) {
-      for (int i = tid; i < (kKeys - n_valid) * kChunksPerRow; i += kThreads) {
-        const int t = n_valid + i / kChunksPerRow, c = i % kChunksPerRow;
-        *reinterpret_cast<uint4*>(smem + (sK - base) + sw128_offset(t, c * 8)) = make_uint4(0, 0, 0, 0);
-      }
-    }
-    fence_proxy_async();  // st.shared writes (Q, zeroed rows) -> visible to the tensor cores
-    __syncthreads();      // every warpgroup finished page u-1: its stage can be refilled
-    if (tid == 0 && u + 1 < u_end) load_unit(u + 1, stage ^ 1);
-
-    // ---- S = Q K^T: 64 rows x 32 keys [32 wg, 32 wg + 32), depth 576 = 36 k-steps
-    float s[16] = {};
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < kDqk / 16; ++kk) {
-      const uint32_t koff = (kk >> 2) * kChunkBytes + (kk & 3) * 32;
-      const uint64_t da = make_desc(sQ + koff, 16, 1024);
-      const uint64_t db = make_desc(sK + wg * 32 * 128 + koff, 16, 1024);
-      gmma_call<typename Gmma<T>::QK>(da, db, s, kk > 0, std::make_index_sequence<16>{});
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs<16>(s);
-
-    // scale to the log2 domain, mask, row maxima over this warpgroup's 32 keys
-    float rmax[2];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int row = row0 + wrow + hr * 8;
-      const int limit = p.causal ? seq_len - p.s_q + row / p.heads + 1 : seq_len;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = tok0 + wg * 32 + n * 8 + qd * 2 + e;
-          float& v = s[n * 4 + hr * 2 + e];
-          v = key < limit ? v * p.scale_log2 : -INFINITY;
-          mx = fmaxf(mx, v);
-        }
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      rmax[hr] = mx;
-    }
-    if (qd == 0) { sMax[wg * kRows + wrow] = rmax[0]; sMax[wg * kRows + wrow + 8] = rmax[1]; }
-    __syncthreads();
-    float alpha[2];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int lr = wrow + hr * 8;
-      const float mx = fmaxf(m_run[hr], fmaxf(sMax[lr], sMax[kRows + lr]));
-      const float m_use = mx == -INFINITY ? 0.f : mx;  // nothing seen yet: avoid inf - inf
-      alpha[hr] = exp2f(m_run[hr] - m_use);
-      m_run[hr] = mx;
-      float psum = 0.f;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const float p0 = exp2f(s[n * 4 + hr * 2] - m_use), p1 = exp2f(s[n * 4 + hr * 2 + 1] - m_use);
-        psum += p0 + p1;
-        *reinterpret_cast<uint32_t*>(smem + (sP - base) + sw128_offset(lr, wg * 32 + n * 8 + qd * 2)) =
-            Mma<T>::pack(p0, p1);
-      }
-      l_run[hr] = l_run[hr] * alpha[hr] + psum;
-    }
-    // the running max rarely moves after the first pages: skip the 128 multiplies then
-    if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        o[n * 4 + 0] *= alpha[0]; o[n * 4 + 1] *= alpha[0];
-        o[n * 4 + 2] *= alpha[1]; o[n * 4 + 3] *= alpha[1];
-      }
-    }
-    fence_proxy_async();
-    __syncthreads();  // P complete; sMax reads done
-
-    // ---- O[:, 256 wg : 256 wg + 256] += P V, depth 64 keys = 4 k-steps
-    fence_regs<128>(o);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < kKeys / 16; ++ks) {
-      const uint64_t da = make_desc(sP + ks * 32, 16, 1024);
-      // V is MN-major: 64 columns contiguous (swizzled), next 64 columns 8 KiB on (LBO),
-      // next 8 keys 1 KiB on (SBO); 16 keys per k-step = 2 KiB.
-      const uint64_t db = make_desc(sK + wg * 4 * kChunkBytes + ks * 16 * 128, kChunkBytes, 1024);
-      gmma_call<typename Gmma<T>::PV>(da, db, o, true, std::make_index_sequence<128>{});
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs<128>(o);
-    stage ^= 1;
+    __syncthreads();  // sM, sSum, sQ and both K buffers are reused by the next piece
+    u = Pr + pg_end;
   }
-  epilogue(r_cur);
 }
 
 // Tensor map of the paged cache as [num_blocks][64][576] with the cache's own strides (a
