@@ -20,6 +20,7 @@
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 
+#include <type_traits>
 #include <utility>
 
 #include "dense_decode_common.cuh"
@@ -36,8 +37,8 @@ constexpr int kTileBytes = (kDqk / 64) * kChunkBytes;  // 9 chunks: 72 KiB
 constexpr int kPBytes = kChunkBytes;                 // 64 rows x 64 keys
 constexpr int kHalfL = 4 * kChunkBytes;             // chunks 0-3: V columns 0-255
 constexpr int kHalfR = 5 * kChunkBytes;             // chunks 4-8: V columns 256-511 + rope
-// Q, K0, K1, P0; sM, sScale0, sScale1, sSum[2] (5 x 64 floats); 4 mbarriers; alignment slack
-constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 5 * kRows * sizeof(float) + 4 * 8 + 1024;
+// Q, K0, K1, P0; sM, sScale0, sScale1, sSum[2] (5 x 64 floats); 18 mbarriers; alignment slack
+constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 5 * kRows * sizeof(float) + 18 * 8 + 1024;
 static_assert(kSmem <= 232448, "more shared memory than an sm_90 block can have");
 constexpr float kNoMax = -1e30f;  // running-max start: finite, so no inf - inf
 
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   float* sScale0 = sM + kRows;
   float* sScale1 = sScale0 + kRows;
   float* sSum = sScale1 + kRows;                                           // [2][64]
-  // mbarriers: buffer b half h at bars + (2b + h) * 8
+  // mbarriers: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8
   const uint32_t bars = sP0 + kPBytes + 5 * kRows * sizeof(float);
 
   const int tid = threadIdx.x, lane = tid & 31;
@@ -158,8 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   const int qd = lane & 3;
   const bool wg_leader = wtid == 0;
   if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) mbar_init(bars + i * 8);
+    for (int i = 0; i < 18; ++i) mbar_init(bars + i * 8);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   pdl_launch_dependents();
@@ -175,24 +175,24 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   const int u_end = min(u_begin + U, total);
   __syncthreads();  // barriers initialised
 
-  uint32_t phases = 0;  // bit (2b + h): parity of buffer b half h's next completion
+  uint32_t phases = 0;  // bit (9b + c): parity of buffer b chunk c's next completion
   const T* qbase = static_cast<const T*>(p.q);
 
-  // page (request r, page index pi) -> TMA of one half of buffer b
+  // page (request r, page index pi) -> TMA of one half of buffer b (h = 0: chunks 0-3,
+  // h = 1: chunks 4-8), one mbarrier per chunk so S can start on each as it lands
   auto load_half = [&](int b, int h, int r, int pi) {
     const int blk = pi < p.max_blocks ? __ldg(p.block_table + r * p.bt_stride + pi) : 0;
-    const uint32_t bar = bars + (2 * b + h) * 8;
-    mbar_expect_tx(bar, h == 0 ? kHalfL : kHalfR);
     const int c0 = h == 0 ? 0 : 4, c1 = h == 0 ? 4 : 9;
-    for (int c = c0; c < c1; ++c) tma_load_box(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, blk, bar);
-  };
-  auto wait_buf = [&](int b) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int bit = 2 * b + h;
-      mbar_wait(bars + bit * 8, (phases >> bit) & 1);
-      phases ^= 1u << bit;
+    for (int c = c0; c < c1; ++c) {
+      const uint32_t bar = bars + (9 * b + c) * 8;
+      mbar_expect_tx(bar, kChunkBytes);
+      tma_load_box(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, blk, bar);
     }
+  };
+  auto wait_chunk = [&](int b, int c) {
+    const int bit = 9 * b + c;
+    mbar_wait(bars + bit * 8, (phases >> bit) & 1);
+    phases ^= 1u << bit;
   };
 
   float o[128];
@@ -200,22 +200,37 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   uint32_t q8[4][4];  // Q rope chunk (columns 512-575) as wgmma A fragments, 4 k-steps
   float l_run[2];
 
-  // S = Q K^T for the page in buffer b: 36 k-steps, the last 4 from registers
-  auto issue_s = [&](int b) {
-    cute::warpgroup_arrive();
+  // S = Q K^T for the page in buffer b, 9 chunks of 4 k-steps, each chunk issued (one commit
+  // group) once it landed; chunk 8 from registers. Buffer 0 (warpgroup 0) takes its left
+  // half first, buffer 1 its right half first: the half each warpgroup refilled itself
+  // arrives first. between_halves() runs after the first half's 4 groups are issued.
+  // (b is a compile-time constant: a run-time chunk order would put the SS/RS choice on a
+  // divergent path and ptxas would serialize the wgmmas)
+  auto issue_s = [&](auto b_const, auto between_halves) {
+    constexpr int b = decltype(b_const)::value;
 #pragma unroll
-    for (int kk = 0; kk < 32; ++kk) {
-      const uint32_t koff = (kk >> 2) * kChunkBytes + (kk & 3) * 32;
-      gmma_ss<typename Gmma<T>::QK_SS>(make_desc(sQ + koff, 16, 1024), make_desc(sKbuf(b) + koff, 16, 1024), s,
-                                       kk > 0, std::make_index_sequence<32>{});
-    }
+    for (int i = 0; i < 9; ++i) {
+      const int c = b == 0 ? i : (i + 4) % 9;
+      wait_chunk(b, c);
+      cute::warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      gmma_rs<typename Gmma<T>::QK_RS>(q8[kk], make_desc(sKbuf(b) + 8 * kChunkBytes + kk * 32, 16, 1024), s, true,
-                                       std::make_index_sequence<32>{});
+      for (int k = 0; k < 4; ++k) {
+        const bool zero = i == 0 && k == 0;
+        if (c < 8) {
+          const uint32_t koff = c * kChunkBytes + k * 32;
+          gmma_ss<typename Gmma<T>::QK_SS>(make_desc(sQ + koff, 16, 1024), make_desc(sKbuf(b) + koff, 16, 1024), s,
+                                           !zero, std::make_index_sequence<32>{});
+        } else {
+          gmma_rs<typename Gmma<T>::QK_RS>(q8[k], make_desc(sKbuf(b) + 8 * kChunkBytes + k * 32, 16, 1024), s,
+                                           !zero, std::make_index_sequence<32>{});
+        }
+      }
+      cute::warpgroup_commit_batch();
+      if (i == 3) between_halves();
     }
-    cute::warpgroup_commit_batch();
   };
+  auto nothing = [] {};
+
   // O[:, 256 wg : +256] += P V(page in buffer b), P from registers (pa: 4 k-steps x 4 regs)
   auto issue_pv_rs = [&](const uint32_t (*pa)[4], int b) {
     cute::warpgroup_arrive();
@@ -356,8 +371,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
 
     // this warpgroup's first page
     if (pg_begin + wg < pg_end) {
-      wait_buf(wg);
-      issue_s(wg);
+      if (wg == 0) issue_s(std::integral_constant<int, 0>{}, nothing);
+      else issue_s(std::integral_constant<int, 1>{}, nothing);
       cute::warpgroup_wait<0>();
       fence_regs<32>(s);
     }
@@ -409,13 +424,16 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
           fence_regs<128>(o);
           issue_pv_ss(sP1, 1);
         }
-        const bool next_a = pa_ + 2 < pg_end;
-        if (next_a) {
-          wait_buf(0);
-          issue_s(0);
-        }
-        if (has_b) {  // the PV with page b retires first: its left half can be refilled
-          if (next_a) cute::warpgroup_wait<1>(); else cute::warpgroup_wait<0>();
+        // the PV with page b retires first: then buffer 1's left half can be refilled
+        auto release_k1_left = [&] {
+          if (!has_b) return;
+          cute::warpgroup_wait<4>();  // all but the 4 chunk groups of S issued after it
+          if (wg_leader && pb + 2 < pg_end) load_half(1, 0, r, pb + 2);
+        };
+        if (pa_ + 2 < pg_end) {
+          issue_s(std::integral_constant<int, 0>{}, release_k1_left);
+        } else if (has_b) {
+          cute::warpgroup_wait<0>();
           if (wg_leader && pb + 2 < pg_end) load_half(1, 0, r, pb + 2);
         }
         cute::warpgroup_wait<0>();
@@ -471,8 +489,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
         fence_regs<128>(o);
         if (wg_leader && pa_ + 2 < pg_end) load_half(0, 1, r, pa_ + 2);
         if (pb + 2 < pg_end) {
-          wait_buf(1);
-          issue_s(1);
+          issue_s(std::integral_constant<int, 1>{}, nothing);
           cute::warpgroup_wait<0>();
           fence_regs<32>(s);
         }
