@@ -45,7 +45,7 @@ def plot(results: dict, path: str) -> None:
 
     heads = sorted({r["config"]["H"] for r in results["rows"]})
     fig, axes = plt.subplots(1, len(heads), figsize=(4.2 * len(heads), 3.8), squeeze=False)
-    for ax, h in zip(axes[0], heads):
+    for ax, h in zip(axes[0], heads, strict=True):
         series: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
         for r in results["rows"]:
             c = r["config"]
