@@ -178,10 +178,14 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   uint32_t phases = 0;  // bit (9b + c): parity of buffer b chunk c's next completion
   const T* qbase = static_cast<const T*>(p.q);
 
-  // page (request r, page index pi) -> TMA of one half of buffer b (h = 0: chunks 0-3,
-  // h = 1: chunks 4-8), one mbarrier per chunk so S can start on each as it lands
-  auto load_half = [&](int b, int h, int r, int pi) {
-    const int blk = pi < p.max_blocks ? __ldg(p.block_table + r * p.bt_stride + pi) : 0;
+  // block id of page pi of request r (0 past the block table: the page is then masked and
+  // its V zeroed, see n_valid)
+  auto block_of = [&](int r, int pi) {
+    return pi < p.max_blocks ? __ldg(p.block_table + r * p.bt_stride + pi) : 0;
+  };
+  // TMA of one half of buffer b (h = 0: chunks 0-3, h = 1: chunks 4-8), one mbarrier per
+  // chunk so S can start on each as it lands
+  auto load_half = [&](int b, int h, int blk) {
     const int c0 = h == 0 ? 0 : 4, c1 = h == 0 ? 4 : 9;
     for (int c = c0; c < c1; ++c) {
       const uint32_t bar = bars + (9 * b + c) * 8;
@@ -343,7 +347,11 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
     // with a CTA barrier after every wgmma retired)
     if (wg_leader) {
       const int pg = pg_begin + wg;
-      if (pg < pg_end) { load_half(wg, 0, r, pg); load_half(wg, 1, r, pg); }
+      if (pg < pg_end) {
+        const int blk = block_of(r, pg);
+        load_half(wg, 0, blk);
+        load_half(wg, 1, blk);
+      }
     }
     // Q tile -> smem, the running max reset
     for (int i = tid; i < kRows * kChunksPerRow; i += kThreads) {
@@ -380,6 +388,12 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
     for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
       const int pb = pa_ + 1;  // warpgroup 1's page
       const bool has_b = pb < pg_end;
+      // block ids of the next pair, read now so the load latency hides behind this pair
+      int blk_a2 = 0, blk_b2 = 0;
+      if (wg_leader) {
+        if (pa_ + 2 < pg_end) blk_a2 = block_of(r, pa_ + 2);
+        if (pb + 2 < pg_end) blk_b2 = block_of(r, pb + 2);
+      }
       if (wg == 0) {
         // ---- softmax of page pa_ on top of the running max
         float rmax[2], m_new[2], scale0[2], rsum[2];
@@ -411,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
         fence_regs<128>(o);
         named_sync(kBarMax1, 256);
         // left half of K0 is done (S and both its PV readers are warpgroup 0's)
-        if (wg_leader && pa_ + 2 < pg_end) load_half(0, 0, r, pa_ + 2);
+        if (wg_leader && pa_ + 2 < pg_end) load_half(0, 0, blk_a2);
         const float scale1[2] = {sScale1[wrow], sScale1[wrow + 8]};
         pack_p(pfrag, scale1);  // P0 rescaled to warpgroup 1's max, for its PV
         store_p(sP0, pfrag);
@@ -428,13 +442,13 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
         auto release_k1_left = [&] {
           if (!has_b) return;
           cute::warpgroup_wait<4>();  // all but the 4 chunk groups of S issued after it
-          if (wg_leader && pb + 2 < pg_end) load_half(1, 0, r, pb + 2);
+          if (wg_leader && pb + 2 < pg_end) load_half(1, 0, blk_b2);
         };
         if (pa_ + 2 < pg_end) {
           issue_s(std::integral_constant<int, 0>{}, release_k1_left);
         } else if (has_b) {
           cute::warpgroup_wait<0>();
-          if (wg_leader && pb + 2 < pg_end) load_half(1, 0, r, pb + 2);
+          if (wg_leader && pb + 2 < pg_end) load_half(1, 0, blk_b2);
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(o);
@@ -483,11 +497,11 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
         issue_pv_ss(sP0, 0);
         if (has_b) {
           cute::warpgroup_wait<1>();
-          if (wg_leader && pb + 2 < pg_end) load_half(1, 1, r, pb + 2);
+          if (wg_leader && pb + 2 < pg_end) load_half(1, 1, blk_b2);
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(o);
-        if (wg_leader && pa_ + 2 < pg_end) load_half(0, 1, r, pa_ + 2);
+        if (wg_leader && pa_ + 2 < pg_end) load_half(0, 1, blk_a2);
         if (pb + 2 < pg_end) {
           issue_s(std::integral_constant<int, 1>{}, nothing);
           cute::warpgroup_wait<0>();

@@ -19,13 +19,10 @@ D_V = 512
 PAGE_SIZE = 64
 MAX_HEADS = 128
 MAX_Q_TOKENS_PER_REQ = 8
-# A CTA gets at least this many tokens of work: fewer splits for short contexts, a
-# cheaper combine.
+# A CTA gets at least this many tokens of work: fewer splits (and partials to merge) for
+# short contexts. Swept on the H200 (docs/kernels/dense_decode.md, v6): 64 helps batch 1 at
+# 1k and hurts it at 16k; 256 hurts batch 1 everywhere.
 MIN_TOKENS_PER_CTA = 128
-# ...and at least enough that a split's partial (fp32 rows x 512, written then read back
-# by the combine: 4 KiB per row) costs no more than the cache bytes it summarises.
-_PARTIAL_BYTES_PER_ROW = D_V * 4 * 2
-_KV_BYTES_PER_TOKEN = D_QK * 2
 _QUERY_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -155,10 +152,7 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
             partial_lse=torch.empty(2 * num_ctas, rows, dtype=torch.float32, device=device),
         )
     _extension.require("plan_decode")
-    rows_in_tile = min(plan.rows, plan.rows_per_cta)
-    min_tokens = max(MIN_TOKENS_PER_CTA,
-                     rows_in_tile * _PARTIAL_BYTES_PER_ROW // _KV_BYTES_PER_TOKEN)
-    min_units = -(-min_tokens // plan.unit_tokens)
+    min_units = -(-MIN_TOKENS_PER_CTA // plan.unit_tokens)
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
                                       plan.unit_tokens)
     return plan

@@ -105,10 +105,8 @@ def test_planner_matches_python_twin():
     seq[::7] = 0
     for heads in (16, 128):
         plan = ops.plan_decode(seq.cuda(), 1, heads)
-        rows_in_tile = min(plan.rows, plan.rows_per_cta)
-        min_tokens = max(ops.MIN_TOKENS_PER_CTA, rows_in_tile * 4096 // 1152)
-        want = ref.plan_decode_metadata(seq, plan.num_ctas, -(-min_tokens // plan.unit_tokens),
-                                        plan.unit_tokens)
+        min_units = -(-ops.MIN_TOKENS_PER_CTA // plan.unit_tokens)
+        want = ref.plan_decode_metadata(seq, plan.num_ctas, min_units, plan.unit_tokens)
         assert torch.equal(plan.metadata.cpu(), want)
 
 
