@@ -18,9 +18,18 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _record(status: str) -> None:
+    """Keep the build decision in the package: pip hides a successful build's output
+    (`pip install -v .` shows it), so mla_backend reports it when the extension is missing."""
+    with open(os.path.join(ROOT, "mla_backend", "_build_info.py"), "w") as f:
+        f.write('"""Written by setup.py: how the CUDA extension was (not) built."""\n\n')
+        f.write(f"CUDA_EXTENSION = {status!r}\n")
+
+
 def _skip(reason: str) -> dict:
     print(f"mla_backend: CUDA extension skipped ({reason}); installing the pure-Python package.",
           file=sys.stderr)
+    _record(f"skipped at build time: {reason}")
     return {}
 
 
@@ -78,6 +87,7 @@ def _cuda_extension_kwargs() -> dict:
     )
     print(f"mla_backend: building CUDA extension for sm_90a with nvcc {nvcc}, "
           f"CUTLASS headers {cutlass}, MAX_JOBS={os.environ['MAX_JOBS']}", file=sys.stderr)
+    _record(f"built for sm_90a against torch {torch.__version__}")
     return {
         "ext_modules": [ext],
         "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)},

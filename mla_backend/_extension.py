@@ -52,12 +52,21 @@ def load() -> bool:
     return True
 
 
+def build_status() -> str:
+    """What setup.py decided about the extension when this copy was installed."""
+    try:
+        from . import _build_info
+    except ImportError:
+        return "no build record (not installed with pip / setup.py)"
+    return _build_info.CUDA_EXTENSION
+
+
 def require(op_name: str) -> None:
     """Raise ExtensionNotBuiltError naming `op_name` unless the extension is loaded."""
     if not load():
         raise ExtensionNotBuiltError(
             f"mla_backend.ops.{op_name} needs the CUDA extension mla_backend._C, which is not "
-            f"available ({_state['error']}); {BUILD_HINT}"
+            f"available ({_state['error']}; install: {build_status()}); {BUILD_HINT}"
         )
 
 
