@@ -51,9 +51,9 @@ def _cuda_extension_kwargs() -> dict:
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
-    except ImportError:
-        return _skip("torch is not importable in the build environment; "
-                     "use `pip install --no-build-isolation .` with torch installed")
+    except ImportError as e:
+        return _skip(f"torch is not importable in the build environment ({e}); use "
+                     "`python -m pip install --no-build-isolation .` with torch installed")
     if torch.version.cuda is None:
         return _skip(f"torch {torch.__version__} is a CPU-only build")
     nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")

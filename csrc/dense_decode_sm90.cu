@@ -36,7 +36,6 @@ constexpr int kChunkBytes = 64 * 128;                // one 64-column chunk of a
 constexpr int kTileBytes = (kDqk / 64) * kChunkBytes;  // 9 chunks: 72 KiB
 constexpr int kPBytes = kChunkBytes;                 // 64 rows x 64 keys
 constexpr int kHalfL = 4 * kChunkBytes;             // chunks 0-3: V columns 0-255
-constexpr int kHalfR = 5 * kChunkBytes;             // chunks 4-8: V columns 256-511 + rope
 // Q, K0, K1, P0; sM, sScale0, sScale1, sSum[2] (5 x 64 floats); 18 mbarriers; alignment slack
 constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 5 * kRows * sizeof(float) + 18 * 8 + 1024;
 static_assert(kSmem <= 232448, "more shared memory than an sm_90 block can have");

@@ -16,7 +16,7 @@ _state: dict[str, object] = {"loaded": False, "error": None}
 
 BUILD_HINT = (
     "build it on a machine with torch (CUDA build), nvcc >= 12.3 and nvidia-cutlass: "
-    "`pip install --no-build-isolation .` in the repository (see README)"
+    "`python -m pip install --no-build-isolation .` in the repository (see README)"
 )
 
 
