@@ -8,6 +8,8 @@
 // crossing request boundaries. A request wholly inside one CTA is written straight to
 // out/lse; a request spanning CTAs leaves normalised partials (slot 0 if it is the CTA's
 // first request, else slot 1) that the combine kernel merges by lse.
+#include <cuda_fp8.h>
+
 #include "dense_decode_common.cuh"
 #include "ops.h"
 
@@ -18,7 +20,12 @@ using namespace dense;
 constexpr int kUnit = kUnitMma;  // tokens per work unit of this kernel
 constexpr int kPRow = kUnit + 8;  // padded P row: 80 B = 5 chunks
 
-template <typename T, int kRows>
+// kFp8: the cache holds per-tensor-scaled float8 e4m3 (576 bytes per token). cp.async
+// stages the raw bytes; at consume time every thread converts the unit into one bf16/fp16
+// tile, which S and PV read exactly as in the 16-bit case. Every e4m3 value is exact in
+// bf16 and fp16, so the conversion rounds nothing: kv_scale is folded into the softmax
+// scale (S = kv_scale * q.k8) and into the output (O = kv_scale * P.v8) instead.
+template <typename T, int kRows, bool kFp8 = false>
 struct DecodeConfig {
   static constexpr int kWarpsM = kRows / 16;
   static constexpr int kWarps = kWarpsM * kWarpsN;
@@ -29,21 +36,24 @@ struct DecodeConfig {
   static constexpr int kNTiles = kColsPerWarp / 8;          // 16
   static constexpr int kKeysPerWarp = kUnit / kWarpsN;      // 8: one n-tile of S
   static constexpr size_t kSmemQ = size_t(kRows) * kSmemRow * sizeof(T);
-  static constexpr size_t kSmemKV = size_t(kStages) * kUnit * kSmemRow * sizeof(T);
+  static constexpr size_t kSmemTile = size_t(kUnit) * kSmemRow * sizeof(T);
+  static constexpr size_t kSmemStage = kFp8 ? size_t(kUnit) * kDqk : kSmemTile;  // bytes per stage
+  static constexpr size_t kSmemKV = kStages * kSmemStage + (kFp8 ? kSmemTile : 0);
   static constexpr size_t kSmemP = size_t(kRows) * kPRow * sizeof(T);
   static constexpr size_t kSmemRed = size_t(2) * kWarpsN * kRows * sizeof(float);
   static constexpr size_t kSmem = kSmemQ + kSmemKV + kSmemP + kSmemRed;
   static_assert(kKeysPerWarp == 8, "S tile per warp is one 8-key n-tile");
 };
 
-template <typename T, int kRows>
-__global__ void __launch_bounds__(DecodeConfig<T, kRows>::kThreads, DecodeConfig<T, kRows>::kMinCtasPerSm)
+template <typename T, int kRows, bool kFp8>
+__global__ void __launch_bounds__(DecodeConfig<T, kRows, kFp8>::kThreads, DecodeConfig<T, kRows, kFp8>::kMinCtasPerSm)
 dense_decode_kernel(const __grid_constant__ DecodeParams p) {
-  using Cfg = DecodeConfig<T, kRows>;
+  using Cfg = DecodeConfig<T, kRows, kFp8>;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
-  T* sKV = reinterpret_cast<T*>(smem + Cfg::kSmemQ);
+  unsigned char* sStages = smem + Cfg::kSmemQ;  // kStages units: 16-bit rows, or fp8 bytes
+  T* sKfp8 = reinterpret_cast<T*>(sStages + kStages * Cfg::kSmemStage);  // fp8: dequantized unit
   T* sP = reinterpret_cast<T*>(smem + Cfg::kSmemQ + Cfg::kSmemKV);
   float* sRedMax = reinterpret_cast<float*>(smem + Cfg::kSmemQ + Cfg::kSmemKV + Cfg::kSmemP);
   float* sRedSum = sRedMax + kWarpsN * kRows;
@@ -61,7 +71,11 @@ dense_decode_kernel(const __grid_constant__ DecodeParams p) {
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / kWarpsN, wn = warp % kWarpsN;
-  const T* kv = static_cast<const T*>(p.kv);
+  const float kv_scale = kFp8 ? (p.kv_scale_ptr != nullptr ? __ldg(p.kv_scale_ptr) : p.kv_scale_value) : 1.f;
+  const float scale_log2 = p.scale_log2 * kv_scale;  // S = kv_scale * (q . k_fp8)
+  const unsigned char* kv = static_cast<const unsigned char*>(p.kv);  // byte addressing
+  constexpr int kElemBytes = kFp8 ? 1 : int(sizeof(T));
+  constexpr int kRowChunks = kDqk * kElemBytes / 16;  // 16-byte chunks per cached token
 
   // ---- producer: async load of one unit's 32 tokens into a stage
   int r_load = request_of_unit(P, p.batch, u_begin);
@@ -72,13 +86,15 @@ dense_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int blk_idx = tok0 / kPage;
     const bool blk_ok = blk_idx < p.max_blocks;
     const int blk = blk_ok ? __ldg(p.block_table + r_load * p.bt_stride + blk_idx) : 0;
-    const T* base = kv + int64_t(blk) * p.kv_stride_block + int64_t(tok0 % kPage) * p.kv_stride_tok;
-    T* dst = sKV + size_t(stage) * kUnit * kSmemRow;
-    for (int i = tid; i < kUnit * kChunksPerRow; i += Cfg::kThreads) {
-      const int t = i / kChunksPerRow, ch = i % kChunksPerRow;
-      const bool ok = blk_ok && t < n_valid;
-      const T* src = ok ? base + int64_t(t) * p.kv_stride_tok + ch * 8 : kv;
-      cp_async_16(dst + t * kSmemRow + ch * 8, src, ok ? 16 : 0);
+    const unsigned char* base =
+        kv + (int64_t(blk) * p.kv_stride_block + int64_t(tok0 % kPage) * p.kv_stride_tok) * kElemBytes;
+    unsigned char* dst = sStages + stage * Cfg::kSmemStage;
+    for (int i = tid; i < kUnit * kRowChunks; i += Cfg::kThreads) {
+      const int t = i / kRowChunks, ch = i % kRowChunks;
+      const bool ok = blk_ok && t < n_valid;  // zero-filled otherwise (never read)
+      const unsigned char* src = ok ? base + int64_t(t) * p.kv_stride_tok * kElemBytes + ch * 16 : kv;
+      const int dst_off = kFp8 ? t * kDqk + ch * 16 : (t * kSmemRow + ch * 8) * int(sizeof(T));
+      cp_async_16(dst + dst_off, src, ok ? 16 : 0);
     }
   };
 
@@ -139,7 +155,7 @@ dense_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + (hr ? lrow1 : lrow0);
       if (row >= p.rows) continue;
-      const float inv_l = lt[hr] > 0.f ? 1.f / lt[hr] : 0.f;
+      const float inv_l = lt[hr] > 0.f ? kv_scale / lt[hr] : 0.f;  // O = kv_scale * P.v
       const float lse_row = lt[hr] > 0.f ? (m_run[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
       if (!split) {
         T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
@@ -178,7 +194,32 @@ dense_decode_kernel(const __grid_constant__ DecodeParams p) {
       if (un < u_end) load_unit(un, (stage + kStages - 1) % kStages);
       cp_async_commit();
     }
-    const T* sK = sKV + size_t(stage) * kUnit * kSmemRow;
+    const T* sK = reinterpret_cast<const T*>(sStages + stage * Cfg::kSmemStage);
+    if constexpr (kFp8) {
+      // convert the staged unit: 16 e4m3 values per chunk -> 16 values of T (exact)
+      const unsigned char* src = sStages + stage * Cfg::kSmemStage;
+      for (int i = tid; i < kUnit * (kDqk / 16); i += Cfg::kThreads) {
+        const int t = i / (kDqk / 16), ch = i % (kDqk / 16);
+        const uint4 raw = *reinterpret_cast<const uint4*>(src + t * kDqk + ch * 16);
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t packed[8];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
+                static_cast<__nv_fp8x2_storage_t>((w[j] >> (16 * h)) & 0xFFFF), __NV_E4M3);
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+            packed[j * 2 + h] = Mma<T>::pack(f.x, f.y);  // exact
+          }
+        }
+        uint4* out = reinterpret_cast<uint4*>(sKfp8 + t * kSmemRow + ch * 16);
+        out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+      }
+      __syncthreads();
+      sK = sKfp8;
+    }
     const int tok0 = (u - __ldg(P + r_cur)) * kUnit;
     const int seq_len = __ldg(p.seq_lens + r_cur);
 
@@ -207,7 +248,7 @@ dense_decode_kernel(const __grid_constant__ DecodeParams p) {
       for (int e = 0; e < 2; ++e) {
         const int key = tok0 + wn * 8 + qd * 2 + e;
         float& v = s[hr * 2 + e];
-        v = key < limit ? v * p.scale_log2 : -INFINITY;
+        v = key < limit ? v * scale_log2 : -INFINITY;
       }
       float mx = fmaxf(s[hr * 2], s[hr * 2 + 1]);
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
@@ -257,10 +298,10 @@ dense_decode_kernel(const __grid_constant__ DecodeParams p) {
   epilogue(r_cur);
 }
 
-template <typename T, int kRows>
+template <typename T, int kRows, bool kFp8>
 void launch_decode(const DecodeParams& p, cudaStream_t stream) {
-  using Cfg = DecodeConfig<T, kRows>;
-  auto kernel = dense_decode_kernel<T, kRows>;
+  using Cfg = DecodeConfig<T, kRows, kFp8>;
+  auto kernel = dense_decode_kernel<T, kRows, kFp8>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
   launch_pdl(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmem, stream, p);
@@ -315,12 +356,18 @@ void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_c
 void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                 const at::Tensor& seq_lens, const at::Tensor& metadata, at::Tensor& partial_out,
                 at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse, int64_t num_ctas,
-                int64_t rows_per_cta, double softmax_scale, bool causal) {
+                int64_t rows_per_cta, double softmax_scale, bool causal,
+                const std::optional<at::Tensor>& kv_scale, double kv_scale_value) {
   // Shapes and dtypes were validated by mla_backend.ops; re-check what memory safety needs.
   TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1, "mla_decode: bad q");
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == kPage && kv_cache.size(2) == kDqk &&
-                  kv_cache.stride(2) == 1 && kv_cache.scalar_type() == q.scalar_type(),
+                  kv_cache.stride(2) == 1 && (fp8 || kv_cache.scalar_type() == q.scalar_type()),
               "mla_decode: bad kv_cache");
+  TORCH_CHECK(!fp8 || rows_per_cta == 16, "mla_decode: an fp8 cache runs on 16-row tiles");
+  TORCH_CHECK(!kv_scale.has_value() || (kv_scale->is_cuda() && kv_scale->scalar_type() == at::kFloat &&
+                                        kv_scale->numel() == 1),
+              "mla_decode: kv_scale must be a 1-element float32 CUDA tensor");
   TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "mla_decode: out/lse must be contiguous");
   const int64_t batch = q.size(0), rows = q.size(1) * q.size(2);
   TORCH_CHECK(metadata.numel() == batch + 2 && partial_out.size(0) == 2 * num_ctas &&
@@ -345,13 +392,19 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   p.lse = lse.data_ptr<float>();
   p.batch = int(batch); p.s_q = int(q.size(1)); p.heads = int(q.size(2)); p.rows = int(rows);
   p.num_ctas = int(num_ctas);
+  p.kv_scale_ptr = kv_scale.has_value() ? kv_scale->data_ptr<float>() : nullptr;
+  p.kv_scale_value = float(kv_scale_value);
   p.scale_log2 = float(softmax_scale * 1.4426950408889634);
   p.causal = causal;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kHalf, "mla_decode: q must be bf16 or fp16");
   if (rows_per_cta == 16) {
-    if (bf16) launch_decode<__nv_bfloat16, 16>(p, stream); else launch_decode<__half, 16>(p, stream);
+    if (fp8) {
+      if (bf16) launch_decode<__nv_bfloat16, 16, true>(p, stream); else launch_decode<__half, 16, true>(p, stream);
+    } else {
+      if (bf16) launch_decode<__nv_bfloat16, 16, false>(p, stream); else launch_decode<__half, 16, false>(p, stream);
+    }
   } else if (rows_per_cta == 64) {
     dense::launch_decode_wgmma(p, bf16, stream);
   } else {

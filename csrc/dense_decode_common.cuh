@@ -36,6 +36,8 @@ struct DecodeParams {
   void* out;        // [B][rows][512]
   float* lse;       // [B][rows]
   int batch, s_q, heads, rows, num_ctas;
+  const float* kv_scale_ptr;  // fp8 cache: per-tensor scale on the device, or nullptr ...
+  float kv_scale_value;       // ... then this value
   float scale_log2;
   bool causal;
 };

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace mla_backend {
 
 at::Tensor probe_scale(const at::Tensor& x, double alpha);
@@ -13,6 +15,7 @@ void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_c
 void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                 const at::Tensor& seq_lens, const at::Tensor& metadata, at::Tensor& partial_out,
                 at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse, int64_t num_ctas,
-                int64_t rows_per_cta, double softmax_scale, bool causal);
+                int64_t rows_per_cta, double softmax_scale, bool causal,
+                const std::optional<at::Tensor>& kv_scale, double kv_scale_value);
 
 }  // namespace mla_backend

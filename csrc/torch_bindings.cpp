@@ -12,7 +12,8 @@ TORCH_LIBRARY(mla_backend, m) {
   m.def(
       "mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor metadata, "
       "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, "
-      "int num_ctas, int rows_per_cta, float softmax_scale, bool causal) -> ()");
+      "int num_ctas, int rows_per_cta, float softmax_scale, bool causal, Tensor? kv_scale, "
+      "float kv_scale_value) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_backend, CUDA, m) {

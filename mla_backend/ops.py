@@ -91,6 +91,7 @@ class DecodePlan:
     batch: int
     q_tokens_per_req: int
     num_heads: int
+    kv_fp8: bool
     rows_per_cta: int
     unit_tokens: int
     num_ctas: int
@@ -103,21 +104,23 @@ class DecodePlan:
         return self.q_tokens_per_req * self.num_heads
 
 
-def _tile(rows: int) -> tuple[int, int, int]:
+def _tile(rows: int, kv_fp8: bool) -> tuple[int, int, int]:
     """(rows per CTA, tokens per work unit, CTAs per SM) of the kernel serving `rows` query
-    rows. Up to 16 rows: the mma.sync kernel, so few heads (TP8 / TP16) pay for no padded
-    rows (16-row tiles, two CTAs per SM); more: the wgmma kernel, 64-row tiles, one
-    64-token page per unit. Must agree with the kernels' shared-memory sizes."""
-    if rows <= 16:
+    rows. Up to 16 rows, and every fp8 cache: the mma.sync kernel, so few heads (TP8 /
+    TP16) pay for no padded rows (16-row tiles, two CTAs per SM); more: the wgmma kernel,
+    64-row tiles, one 64-token page per unit. Must agree with the kernels' shared memory."""
+    if rows <= 16 or kv_fp8:
         return 16, 32, 2
     return 64, 64, 1
 
 
 def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: int, *,
-                num_sms: int | None = None, out: DecodePlan | None = None) -> DecodePlan:
+                kv_cache_dtype: torch.dtype | None = None, num_sms: int | None = None,
+                out: DecodePlan | None = None) -> DecodePlan:
     """Plan one decode step: seq_lens int32 [B] on the GPU (no host sync); s_q query tokens
-    per request; num_heads query heads. Pass `out` (an earlier plan of the same B, s_q and
-    H) to refill its buffers in place."""
+    per request; num_heads query heads; kv_cache_dtype the cache's dtype (None: q's;
+    torch.float8_e4m3fn selects the fp8 kernel). Pass `out` (an earlier plan of the same
+    B, s_q, H and cache dtype) to refill its buffers in place."""
     seq_lens = _require_tensor("seq_lens", seq_lens)
     _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "seq_lens", seq_lens,
              "must be a 1-D int32 tensor [batch]")
@@ -126,18 +129,22 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
                          f"got {num_q_tokens_per_req}")
     if not 1 <= num_heads <= MAX_HEADS:
         raise ValueError(f"num_heads must be in [1, {MAX_HEADS}]; got {num_heads}")
+    if kv_cache_dtype not in (None, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        raise TypeError(f"kv_cache_dtype must be None, bfloat16, float16 or float8_e4m3fn; "
+                        f"got {kv_cache_dtype}")
     _require_cuda({"seq_lens": seq_lens}, seq_lens.device)
     device = seq_lens.device
     batch = seq_lens.shape[0]
+    kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
     rows = num_q_tokens_per_req * num_heads
-    rows_per_cta, unit_tokens, ctas_per_sm = _tile(rows)
+    rows_per_cta, unit_tokens, ctas_per_sm = _tile(rows, kv_fp8)
     if out is not None:
-        if (out.batch, out.q_tokens_per_req, out.num_heads) != (batch, num_q_tokens_per_req,
-                                                                 num_heads):
+        if (out.batch, out.q_tokens_per_req, out.num_heads, out.kv_fp8) != (
+                batch, num_q_tokens_per_req, num_heads, kv_fp8):
             raise ValueError(
                 f"out plan is for batch {out.batch}, s_q {out.q_tokens_per_req}, "
-                f"H {out.num_heads}; this step has batch {batch}, s_q {num_q_tokens_per_req}, "
-                f"H {num_heads}")
+                f"H {out.num_heads}, fp8 cache {out.kv_fp8}; this step has batch {batch}, "
+                f"s_q {num_q_tokens_per_req}, H {num_heads}, fp8 cache {kv_fp8}")
         plan = out
     else:
         m_tiles = math.ceil(rows / rows_per_cta)
@@ -146,7 +153,7 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
         num_ctas = max(1, sms * ctas_per_sm // m_tiles)
         plan = DecodePlan(
             batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads,
-            rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
+            kv_fp8=kv_fp8, rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
             metadata=torch.empty(batch + 2, dtype=torch.int32, device=device),
             partial_out=torch.empty(2 * num_ctas, rows, D_V, dtype=torch.float32, device=device),
             partial_lse=torch.empty(2 * num_ctas, rows, dtype=torch.float32, device=device),
@@ -156,6 +163,18 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
                                       plan.unit_tokens)
     return plan
+
+
+def _check_kv_scale(kv_scale) -> None:
+    if kv_scale is None:
+        raise ValueError("kv_scale is required with a float8_e4m3fn kv_cache (the per-tensor "
+                         "dequantization scale: value = fp8 * kv_scale)")
+    if isinstance(kv_scale, torch.Tensor):
+        _require(kv_scale.numel() == 1 and kv_scale.dtype == torch.float32, "kv_scale",
+                 kv_scale, "must be a 1-element float32 tensor (or a Python float)")
+    elif not (isinstance(kv_scale, (float, int)) and math.isfinite(kv_scale) and kv_scale > 0):
+        raise ValueError(f"kv_scale must be a positive finite float or a 1-element float32 "
+                         f"tensor; got {kv_scale!r}")
 
 
 def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out):
@@ -174,12 +193,16 @@ def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, 
              "must have a contiguous last dim and 16-byte aligned strides")
     _require(kv_cache.dim() == 3 and kv_cache.shape[1:] == (PAGE_SIZE, D_QK), "kv_cache",
              kv_cache, f"must be [num_blocks, {PAGE_SIZE}, {D_QK}]")
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        raise TypeError(f"kv_cache: the per-tensor fp8 cache is not supported by mla_decode "
-                        f"yet; got {_describe(kv_cache)}")
-    if kv_cache.dtype != q.dtype:
-        raise TypeError(f"kv_cache must have q's dtype {q.dtype}; got {_describe(kv_cache)}")
-    if kv_scale is not None:
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if kv_cache.dtype == torch.uint8:
+        raise TypeError(f"kv_cache is uint8: view a per-tensor fp8 cache as torch.float8_e4m3fn "
+                        f"(kv_cache.view(torch.float8_e4m3fn)); got {_describe(kv_cache)}")
+    if not kv_fp8 and kv_cache.dtype != q.dtype:
+        raise TypeError(f"kv_cache must have q's dtype {q.dtype} or be float8_e4m3fn; got "
+                        f"{_describe(kv_cache)}")
+    if kv_fp8:
+        _check_kv_scale(kv_scale)
+    elif kv_scale is not None:
         raise ValueError(f"kv_scale applies only to an fp8 kv_cache; kv_cache is {kv_cache.dtype}")
     _require(kv_cache.stride(2) == 1 and kv_cache.stride(1) % 8 == 0
              and kv_cache.stride(0) % 8 == 0 and kv_cache.data_ptr() % 16 == 0, "kv_cache",
@@ -196,6 +219,9 @@ def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, 
     if (plan.batch, plan.q_tokens_per_req, plan.num_heads) != (batch, s_q, heads):
         raise ValueError(f"plan is for batch {plan.batch}, s_q {plan.q_tokens_per_req}, "
                          f"H {plan.num_heads}; q has batch {batch}, s_q {s_q}, H {heads}")
+    if plan.kv_fp8 != kv_fp8:
+        raise ValueError(f"plan was made for {'an fp8' if plan.kv_fp8 else 'a 16-bit'} cache "
+                         f"but kv_cache is {kv_cache.dtype}: pass kv_cache_dtype to plan_decode")
     if not (isinstance(softmax_scale, (float, int)) and math.isfinite(softmax_scale)
             and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float; got {softmax_scale!r}")
@@ -206,6 +232,8 @@ def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, 
                  f"must be contiguous {q.dtype} [{batch}, {s_q}, {heads}, {D_V}]")
     tensors = {"q": q, "kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens,
                "plan.metadata": plan.metadata}
+    if isinstance(kv_scale, torch.Tensor):
+        tensors["kv_scale"] = kv_scale
     if out is not None:
         tensors["out"] = out
     _require_cuda(tensors, q.device)
@@ -217,8 +245,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense paged MLA decode.
 
-    q [B, s_q, H, 576] bf16/fp16; kv_cache [num_blocks, 64, 576] of q's dtype (a strided
-    view is fine: blocks are indexed by stride(0)); block_table int32 [B, max_blocks];
+    q [B, s_q, H, 576] bf16/fp16; kv_cache [num_blocks, 64, 576] of q's dtype, or
+    float8_e4m3fn with kv_scale (float, or a 1-element float32 CUDA tensor read on the GPU:
+    value = fp8 * kv_scale; the plan must come from plan_decode(..., kv_cache_dtype=
+    torch.float8_e4m3fn)); a strided cache view is fine (blocks are indexed by stride(0));
+    block_table int32 [B, max_blocks];
     seq_lens int32 [B] (keys per request, the s_q query tokens included; the caller keeps
     seq_lens[b] <= 64 * max_blocks). With causal, query i sees keys < seq_len - s_q + i + 1.
     Returns out [B, s_q, H, 512] (q's dtype) and lse [B, s_q, H] float32 (natural log);
@@ -233,5 +264,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
     torch.ops.mla_backend.mla_decode(
         q, kv_cache, block_table, seq_lens, plan.metadata, plan.partial_out, plan.partial_lse,
-        out, lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(causal))
+        out, lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(causal),
+        kv_scale if isinstance(kv_scale, torch.Tensor) else None,
+        float(kv_scale) if kv_scale is not None and not isinstance(kv_scale, torch.Tensor)
+        else 1.0)
     return out, lse

@@ -11,7 +11,8 @@ def _args(batch=2, s_q=1, heads=16, dtype=torch.bfloat16):
     cache = torch.randn(4, 64, 576).to(dtype)
     table = torch.zeros(batch, 2, dtype=torch.int32)
     seq = torch.full((batch,), 10, dtype=torch.int32)
-    plan = ops.DecodePlan(batch=batch, q_tokens_per_req=s_q, num_heads=heads, rows_per_cta=16, unit_tokens=32,
+    plan = ops.DecodePlan(batch=batch, q_tokens_per_req=s_q, num_heads=heads, kv_fp8=False,
+                          rows_per_cta=16, unit_tokens=32,
                           num_ctas=1, metadata=torch.zeros(batch + 2, dtype=torch.int32),
                           partial_out=torch.zeros(2, s_q * heads, 512),
                           partial_lse=torch.zeros(2, s_q * heads))
@@ -27,8 +28,9 @@ CASES = [
     ("q", lambda a: a["q"].transpose(2, 3).contiguous().transpose(2, 3), ValueError, "contiguous last dim"),
     ("q", lambda a: "not a tensor", TypeError, "q must be a torch.Tensor; got str"),
     ("kv_cache", lambda a: torch.randn(4, 32, 576).bfloat16(), ValueError, r"kv_cache must be \[num_blocks, 64, 576\]; got shape \(4, 32, 576\)"),
-    ("kv_cache", lambda a: a["kv_cache"].half(), TypeError, r"kv_cache must have q's dtype torch.bfloat16; got .*float16"),
-    ("kv_cache", lambda a: a["kv_cache"].to(torch.float8_e4m3fn), TypeError, "per-tensor fp8 cache is not supported"),
+    ("kv_cache", lambda a: a["kv_cache"].half(), TypeError, r"kv_cache must have q's dtype torch.bfloat16 or be float8_e4m3fn; got .*float16"),
+    ("kv_cache", lambda a: a["kv_cache"].to(torch.float8_e4m3fn), ValueError, "kv_scale is required with a float8_e4m3fn kv_cache"),
+    ("kv_cache", lambda a: torch.zeros(4, 64, 576, dtype=torch.uint8), TypeError, r"view a per-tensor fp8 cache as torch.float8_e4m3fn.*uint8"),
     ("block_table", lambda a: a["block_table"].long(), ValueError, r"block_table must be int32 \[batch=2, max_blocks\].*int64"),
     ("block_table", lambda a: torch.zeros(3, 2, dtype=torch.int32), ValueError, r"block_table .*shape \(3, 2\)"),
     ("seq_lens", lambda a: a["seq_lens"].long(), ValueError, r"seq_lens must be contiguous int32 \[batch=2\]"),
@@ -57,6 +59,21 @@ def test_plan_must_match_q():
 def test_kv_scale_without_fp8_cache():
     with pytest.raises(ValueError, match="kv_scale applies only to an fp8 kv_cache"):
         ops.mla_decode(**_args(), kv_scale=1.0)
+
+
+def test_fp8_cache_checks():
+    args = _args()
+    args["kv_cache"] = args["kv_cache"].to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"kv_scale must be a positive finite float .*got -1.0"):
+        ops.mla_decode(**args, kv_scale=-1.0)
+    with pytest.raises(ValueError, match=r"kv_scale must be a 1-element float32 tensor.*shape \(2,\)"):
+        ops.mla_decode(**args, kv_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="plan was made for a 16-bit cache but kv_cache is "
+                                         "torch.float8_e4m3fn: pass kv_cache_dtype"):
+        ops.mla_decode(**args, kv_scale=0.5)
+    with pytest.raises(TypeError, match="kv_cache_dtype must be None, bfloat16, float16 or "
+                                        "float8_e4m3fn; got torch.float32"):
+        ops.plan_decode(torch.zeros(3, dtype=torch.int32), 1, 16, kv_cache_dtype=torch.float32)
 
 
 def test_out_must_match():

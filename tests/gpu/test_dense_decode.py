@@ -161,3 +161,63 @@ def test_random_shapes_fuzz():
 def test_probe_scale_runs():
     x = torch.randn(1000, device="cuda")
     assert torch.equal(ops.probe_scale(x, 2.0), 2.0 * x)
+
+
+# ---- per-tensor fp8 cache (576 bytes per token, value = e4m3 * kv_scale)
+
+def _check_fp8(lens, s_q, heads, dtype=torch.bfloat16, scale_as_tensor=False, strided=False):
+    from mla_backend import formats
+    q, cache16, table, seq = paged_case(lens, s_q, heads, dtype=dtype, device="cuda",
+                                        seed=_fresh_seed())
+    kv_scale = float(cache16.float().nan_to_num(0).abs().amax() / 448)
+    cache = formats.quantize_fp8_per_tensor(cache16, kv_scale)  # NaN in unused slots stays NaN
+    if strided:
+        big = torch.zeros(cache.shape[0], 2, 64, 576, dtype=torch.float8_e4m3fn, device="cuda")
+        big[:, 1] = cache
+        cache = big[:, 1]
+    scale_arg = torch.tensor([kv_scale], device="cuda") if scale_as_tensor else kv_scale
+    plan = ops.plan_decode(seq, s_q, heads, kv_cache_dtype=torch.float8_e4m3fn)
+    out = torch.full((len(lens), s_q, heads, 512), float("nan"), dtype=dtype, device="cuda")
+    got, lse = ops.mla_decode(q, cache, table, seq, plan, 576 ** -0.5, kv_scale=scale_arg,
+                              out=out)
+    # the reference dequantizes the same fp8 bytes: the only extra rounding in the kernel is
+    # the dequantized value to q's dtype, inside the bf16/fp16 tolerances
+    want, want_lse = ref.mla_decode(q, cache, table, seq, None, 576 ** -0.5, kv_scale=kv_scale)
+    assert not got.isnan().any()
+    assert rel_l2(got, want) < TOL[dtype], rel_l2(got, want)
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(lse), empty) and torch.all(got[empty] == 0)
+    assert torch.allclose(lse[~empty], want_lse[~empty], atol=2e-3)
+
+
+@pytest.mark.parametrize("heads", [1, 16, 64, 128])
+@pytest.mark.parametrize("s_q", [1, 2, 4])
+def test_fp8_cache_heads_and_query_lengths(heads, s_q):
+    _check_fp8([1, 37, 700, 0, 2049], s_q, heads)
+
+
+def test_fp8_cache_fp16_tensor_scale_strided():
+    _check_fp8([300, 5, 1500], 2, 16, dtype=torch.float16, scale_as_tensor=True, strided=True)
+
+
+def test_fp8_cache_cuda_graph():
+    from mla_backend import formats
+    lens = [2000, 64, 900]
+    q, cache16, table, seq = paged_case(lens, 1, 16, device="cuda", seed=_fresh_seed())
+    cache = formats.quantize_fp8_per_tensor(cache16, 0.02)
+    scale = torch.tensor([0.02], device="cuda")
+    seq_buf = seq.clone()
+    plan = ops.plan_decode(seq_buf, 1, 16, kv_cache_dtype=torch.float8_e4m3fn)
+    out = torch.empty(3, 1, 16, 512, dtype=q.dtype, device="cuda")
+    ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, kv_scale=scale, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.plan_decode(seq_buf, 1, 16, kv_cache_dtype=torch.float8_e4m3fn, out=plan)
+        ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, kv_scale=scale, out=out)
+    for new in ([1999, 3, 900], [10, 64, 0]):
+        seq_buf.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        want, _ = ref.mla_decode(q, cache, table, seq_buf, None, 0.05, kv_scale=0.02)
+        assert not out.isnan().any() and rel_l2(out, want) < TOL[torch.bfloat16]
