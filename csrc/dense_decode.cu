@@ -61,13 +61,10 @@ dense_decode_kernel(const __grid_constant__ DecodeParams p) {
   pdl_launch_dependents();
   pdl_wait();  // the plan, q and the cache are written by earlier kernels
   const int* P = p.meta;
-  const int total = __ldg(P + p.batch);
-  const int U = __ldg(P + p.batch + 1);
   const int cta = blockIdx.x;
   const int row0 = blockIdx.y * kRows;
-  const int u_begin = cta * U;
-  if (u_begin >= total) return;
-  const int u_end = min(u_begin + U, total);
+  int u_begin, u_end, U;
+  if (!cta_units(p, u_begin, u_end, U)) return;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / kWarpsN, wn = warp % kWarpsN;

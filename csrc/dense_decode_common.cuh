@@ -98,6 +98,16 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// This CTA's units [u_begin, u_end) under the plan (CTA blockIdx.x of every m-tile takes
+// units [cU, cU + U)); false when it has none. U is the plan's units per CTA.
+__device__ __forceinline__ bool cta_units(const DecodeParams& p, int& u_begin, int& u_end, int& U) {
+  const int total = __ldg(p.meta + p.batch);
+  U = __ldg(p.meta + p.batch + 1);
+  u_begin = blockIdx.x * U;
+  u_end = min(u_begin + U, total);
+  return u_begin < total;
+}
+
 // Request owning unit u: the last r with P[r] <= u (skips empty requests).
 __device__ __forceinline__ int request_of_unit(const int* P, int batch, int u) {
   int lo = 0, hi = batch;  // P[lo] <= u < P[hi] holds for u < P[batch]

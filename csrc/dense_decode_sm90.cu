@@ -165,13 +165,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   pdl_wait();  // the plan, q and the cache are written by earlier kernels
 
   const int* P = p.meta;
-  const int total = __ldg(P + p.batch);
-  const int U = __ldg(P + p.batch + 1);
   const int cta = blockIdx.x;
   const int row0 = blockIdx.y * kRows;
-  const int u_begin = cta * U;
-  if (u_begin >= total) return;
-  const int u_end = min(u_begin + U, total);
+  int u_begin, u_end, U;
+  if (!cta_units(p, u_begin, u_end, U)) return;
   __syncthreads();  // barriers initialised
 
   uint32_t phases = 0;  // bit (9b + c): parity of buffer b chunk c's next completion
