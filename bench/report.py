@@ -26,15 +26,21 @@ def table(results: dict) -> str:
         c = row["config"]
         cells = [str(c["H"]), str(c["s_q"]), str(c["batch"]), str(c["seq_len"])]
         cells += [f"{row['us'][k]:.1f}" if k in row["us"] else "-" for k in kernels]
-        cells += [f"{row['tflops_ours']:.0f}", f"{row['gbs_ours']:.0f}",
-                  f"{row['speedup_vs_best_peer']:.2f}"]
-        speedups.append(row["speedup_vs_best_peer"])
+        sp = row.get("speedup_vs_best_peer")
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        cells += [fmt(row.get("tflops_ours"), ".0f"), fmt(row.get("gbs_ours"), ".0f"),
+                  fmt(sp, ".2f")]
+        if sp is not None:  # rows without ours or without a counted peer have none
+            speedups.append(sp)
         lines.append("| " + " | ".join(cells) + " |")
-    geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
     lines.append("")
-    lines.append(f"Geometric mean of ours / best peer: **{geo:.3f}**; worst row "
-                 f"{min(speedups):.3f}; rows at or above 1.0: "
-                 f"{sum(s >= 1.0 for s in speedups)} of {len(speedups)}.")
+    if speedups:
+        geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
+        lines.append(f"Geometric mean of ours / best peer: **{geo:.3f}** over the "
+                     f"{len(speedups)} rows with a counted peer; worst row {min(speedups):.3f}; "
+                     f"rows at or above 1.0: {sum(s >= 1.0 for s in speedups)}.")
+    else:
+        lines.append("No row has both ours and a counted peer.")
     return "\n".join(lines)
 
 
