@@ -18,6 +18,8 @@ namespace {
 
 using namespace dense;
 constexpr int kUnit = kUnitMma;  // tokens per work unit of this kernel
+constexpr int kSmemRow = kDqk + 8;  // padded row: 1168 B = 73 16-B chunks (odd: no bank conflicts)
+constexpr int kWarpsN = 4;          // warps splitting keys (S) and output columns (PV)
 constexpr int kPRow = kUnit + 8;  // padded P row: 80 B = 5 chunks
 
 // kFp8: the cache holds per-tensor-scaled float8 e4m3 (576 bytes per token). cp.async

@@ -15,9 +15,7 @@ namespace dense {
 constexpr int kDqk = 576;
 constexpr int kDv = 512;
 constexpr int kPage = 64;
-constexpr int kSmemRow = kDqk + 8;        // padded row: 1168 B = 73 16-B chunks (odd: no bank conflicts)
 constexpr int kChunksPerRow = kDqk * 2 / 16;  // 72 16-byte chunks per token
-constexpr int kWarpsN = 4;                // warps splitting keys (S) and output columns (PV)
 constexpr float kLn2 = 0.69314718055994530942f;
 
 struct DecodeParams {

@@ -97,10 +97,6 @@ constexpr int kBarP0 = 3;      // P0 in smem
 constexpr int kBarP1 = 4;      // P1 in smem
 constexpr int kBarWg0 = 5;     // ... and one warpgroup's 128 threads (ids 5, 6)
 
-__device__ __forceinline__ void ldmatrix_x4_addr(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
 
 template <int N>
 __device__ __forceinline__ void fence_regs(float* d) {
@@ -366,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {  // Q rope chunk -> registers (A fragments)
       const int row = (wtid >> 5) * 16 + (lane & 15);
-      ldmatrix_x4_addr(q8[kk], sQ + sw128_offset(row, 512 + kk * 16 + (lane >> 4) * 8));
+      ldmatrix_x4(q8[kk], smem + sw128_offset(row, 512 + kk * 16 + (lane >> 4) * 8));
     }
     __syncthreads();  // chunk 8 of sQ is now free for P1
 #pragma unroll
