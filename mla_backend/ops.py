@@ -114,30 +114,115 @@ def _tile(rows: int, kv_fp8: bool) -> tuple[int, int, int]:
     return 64, 64, 1
 
 
-def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: int, *,
-                kv_cache_dtype: torch.dtype | None = None, num_sms: int | None = None,
-                out: DecodePlan | None = None) -> DecodePlan:
-    """Plan one decode step: seq_lens int32 [B] on the GPU (no host sync); s_q query tokens
-    per request; num_heads query heads; kv_cache_dtype the cache's dtype (None: q's;
-    torch.float8_e4m3fn selects the fp8 kernel). Pass `out` (an earlier plan of the same
-    B, s_q, H and cache dtype) to refill its buffers in place."""
+def _grid(rows: int, kv_fp8: bool, num_sms: int) -> tuple[int, int, int]:
+    """(rows per CTA, tokens per unit, CTAs) of one step: one wave, every CTA the same number
+    of units (the planner's closed form)."""
+    rows_per_cta, unit_tokens, ctas_per_sm = _tile(rows, kv_fp8)
+    m_tiles = math.ceil(rows / rows_per_cta)
+    return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
+
+
+def _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype) -> torch.Tensor:
     seq_lens = _require_tensor("seq_lens", seq_lens)
-    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "seq_lens", seq_lens,
-             "must be a 1-D int32 tensor [batch]")
-    if not 1 <= num_q_tokens_per_req <= MAX_Q_TOKENS_PER_REQ:
-        raise ValueError(f"num_q_tokens_per_req must be in [1, {MAX_Q_TOKENS_PER_REQ}]; "
-                         f"got {num_q_tokens_per_req}")
-    if not 1 <= num_heads <= MAX_HEADS:
-        raise ValueError(f"num_heads must be in [1, {MAX_HEADS}]; got {num_heads}")
+    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+             "seq_lens", seq_lens, "must be a contiguous 1-D int32 tensor [batch]")
+    _check_plan_sizes(num_q_tokens_per_req, num_heads, kv_cache_dtype)
+    _require_cuda({"seq_lens": seq_lens}, seq_lens.device)
+    return seq_lens
+
+
+def _check_plan_sizes(num_q_tokens_per_req, num_heads, kv_cache_dtype) -> None:
+    if not (isinstance(num_q_tokens_per_req, int)
+            and 1 <= num_q_tokens_per_req <= MAX_Q_TOKENS_PER_REQ):
+        raise ValueError(f"num_q_tokens_per_req must be an int in [1, {MAX_Q_TOKENS_PER_REQ}]; "
+                         f"got {num_q_tokens_per_req!r}")
+    if not (isinstance(num_heads, int) and 1 <= num_heads <= MAX_HEADS):
+        raise ValueError(f"num_heads must be an int in [1, {MAX_HEADS}]; got {num_heads!r}")
     if kv_cache_dtype not in (None, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         raise TypeError(f"kv_cache_dtype must be None, bfloat16, float16 or float8_e4m3fn; "
                         f"got {kv_cache_dtype}")
-    _require_cuda({"seq_lens": seq_lens}, seq_lens.device)
+
+
+@dataclass
+class DecodeWorkspace:
+    """Caller-owned buffers from which plan_decode(..., workspace=ws) makes every plan of a
+    model's decode steps: any batch up to max_batch and any s_q up to max_q_tokens_per_req,
+    for num_heads heads and one cache dtype. Allocate it once (e.g. in vLLM's metadata
+    builder); its addresses never change, so CUDA graphs captured for any batch size replay
+    against the plan of the current step. Plans made from one workspace share its memory:
+    a plan is valid until the next plan_decode on the same workspace (one plan per step,
+    used by every layer of that step, is the intended use)."""
+
+    max_batch: int
+    max_q_tokens_per_req: int
+    num_heads: int
+    kv_fp8: bool
+    num_sms: int
+    metadata: torch.Tensor
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    plans: dict
+
+    def plan_view(self, batch: int, s_q: int) -> DecodePlan:
+        """The plan object of (batch, s_q) over this workspace's memory (cached)."""
+        plan = self.plans.get((batch, s_q))
+        if plan is None:
+            rows = s_q * self.num_heads
+            rows_per_cta, unit_tokens, num_ctas = _grid(rows, self.kv_fp8, self.num_sms)
+            plan = DecodePlan(
+                batch=batch, q_tokens_per_req=s_q, num_heads=self.num_heads, kv_fp8=self.kv_fp8,
+                rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
+                metadata=self.metadata[:batch + 2],
+                partial_out=self.partial_out[:2 * num_ctas * rows * D_V].view(
+                    2 * num_ctas, rows, D_V),
+                partial_lse=self.partial_lse[:2 * num_ctas * rows].view(2 * num_ctas, rows))
+            self.plans[(batch, s_q)] = plan
+        return plan
+
+
+def decode_workspace(max_batch: int, max_q_tokens_per_req: int, num_heads: int, *,
+                     device: torch.device | str, kv_cache_dtype: torch.dtype | None = None,
+                     num_sms: int | None = None) -> DecodeWorkspace:
+    """Allocate the buffers of every plan with batch <= max_batch, s_q <= max_q_tokens_per_req,
+    num_heads heads and this cache dtype (None or 16-bit: the 16-bit kernels;
+    torch.float8_e4m3fn: the fp8 kernel). Size: (max_batch + 2) int32 plus the split
+    partials, at most about 35 MB (H = 128) on a 132-SM GPU."""
+    if not (isinstance(max_batch, int) and max_batch >= 1):
+        raise ValueError(f"max_batch must be a positive int; got {max_batch!r}")
+    _check_plan_sizes(max_q_tokens_per_req, num_heads, kv_cache_dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device; got {device}")
+    kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
+    sms = num_sms if num_sms is not None else _num_sms(device)
+    part_rows = 0
+    for s_q in range(1, max_q_tokens_per_req + 1):
+        rows = s_q * num_heads
+        part_rows = max(part_rows, 2 * _grid(rows, kv_fp8, sms)[2] * rows)
+    return DecodeWorkspace(
+        max_batch=max_batch, max_q_tokens_per_req=max_q_tokens_per_req, num_heads=num_heads,
+        kv_fp8=kv_fp8, num_sms=sms,
+        metadata=torch.zeros(max_batch + 2, dtype=torch.int32, device=device),
+        partial_out=torch.empty(part_rows * D_V, dtype=torch.float32, device=device),
+        partial_lse=torch.empty(part_rows, dtype=torch.float32, device=device), plans={})
+
+
+def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: int, *,
+                kv_cache_dtype: torch.dtype | None = None, num_sms: int | None = None,
+                out: DecodePlan | None = None,
+                workspace: DecodeWorkspace | None = None) -> DecodePlan:
+    """Plan one decode step: seq_lens int32 [B] on the GPU (no host sync); s_q query tokens
+    per request; num_heads query heads; kv_cache_dtype the cache's dtype (None: q's;
+    torch.float8_e4m3fn selects the fp8 kernel). Pass `out` (an earlier plan of the same
+    B, s_q, H and cache dtype) to refill its buffers in place, or `workspace` (from
+    decode_workspace) to plan into caller-owned buffers shared by all batch sizes."""
+    seq_lens = _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype)
+    if out is not None and workspace is not None:
+        raise ValueError("pass at most one of out and workspace")
     device = seq_lens.device
     batch = seq_lens.shape[0]
     kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
     rows = num_q_tokens_per_req * num_heads
-    rows_per_cta, unit_tokens, ctas_per_sm = _tile(rows, kv_fp8)
     if out is not None:
         if (out.batch, out.q_tokens_per_req, out.num_heads, out.kv_fp8) != (
                 batch, num_q_tokens_per_req, num_heads, kv_fp8):
@@ -146,11 +231,23 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
                 f"H {out.num_heads}, fp8 cache {out.kv_fp8}; this step has batch {batch}, "
                 f"s_q {num_q_tokens_per_req}, H {num_heads}, fp8 cache {kv_fp8}")
         plan = out
+    elif workspace is not None:
+        ws = workspace
+        if not isinstance(ws, DecodeWorkspace):
+            raise TypeError(f"workspace must be a DecodeWorkspace from decode_workspace; got "
+                            f"{type(ws).__name__}")
+        if (batch > ws.max_batch or num_q_tokens_per_req > ws.max_q_tokens_per_req
+                or num_heads != ws.num_heads or kv_fp8 != ws.kv_fp8):
+            raise ValueError(
+                f"workspace holds plans of batch <= {ws.max_batch}, s_q <= "
+                f"{ws.max_q_tokens_per_req}, H {ws.num_heads}, fp8 cache {ws.kv_fp8}; this step "
+                f"has batch {batch}, s_q {num_q_tokens_per_req}, H {num_heads}, fp8 cache {kv_fp8}")
+        if ws.metadata.device != device:
+            raise ValueError(f"workspace is on {ws.metadata.device} but seq_lens is on {device}")
+        plan = ws.plan_view(batch, num_q_tokens_per_req)
     else:
-        m_tiles = math.ceil(rows / rows_per_cta)
         sms = num_sms if num_sms is not None else _num_sms(device)
-        # One wave (the planner gives every CTA the same number of units).
-        num_ctas = max(1, sms * ctas_per_sm // m_tiles)
+        rows_per_cta, unit_tokens, num_ctas = _grid(rows, kv_fp8, sms)
         plan = DecodePlan(
             batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads,
             kv_fp8=kv_fp8, rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,

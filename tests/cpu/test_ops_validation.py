@@ -87,14 +87,27 @@ def test_cpu_tensors_are_rejected_before_any_kernel():
 
 
 def test_plan_decode_rejects():
-    with pytest.raises(ValueError, match=r"seq_lens must be a 1-D int32 tensor \[batch\]; got .*int64"):
+    with pytest.raises(ValueError, match=r"seq_lens must be a contiguous 1-D int32 tensor \[batch\]; got .*int64"):
         ops.plan_decode(torch.zeros(3, dtype=torch.int64), 1, 16)
-    with pytest.raises(ValueError, match=r"num_q_tokens_per_req must be in \[1, 8\]; got 0"):
+    with pytest.raises(ValueError, match=r"num_q_tokens_per_req must be an int in \[1, 8\]; got 0"):
         ops.plan_decode(torch.zeros(3, dtype=torch.int32), 0, 16)
-    with pytest.raises(ValueError, match=r"num_heads must be in \[1, 128\]; got 200"):
+    with pytest.raises(ValueError, match=r"num_heads must be an int in \[1, 128\]; got 200"):
         ops.plan_decode(torch.zeros(3, dtype=torch.int32), 1, 200)
     with pytest.raises(ValueError, match="seq_lens must be on a CUDA device"):
         ops.plan_decode(torch.zeros(3, dtype=torch.int32), 1, 16)
+    with pytest.raises(ValueError, match="seq_lens must be a contiguous 1-D int32"):
+        ops.plan_decode(torch.zeros(6, dtype=torch.int32)[::2], 1, 16)
+
+
+def test_decode_workspace_rejects():
+    with pytest.raises(ValueError, match="max_batch must be a positive int; got 0"):
+        ops.decode_workspace(0, 1, 16, device="cuda")
+    with pytest.raises(ValueError, match=r"num_q_tokens_per_req must be an int in \[1, 8\]; got 9"):
+        ops.decode_workspace(4, 9, 16, device="cuda")
+    with pytest.raises(ValueError, match=r"num_heads must be an int in \[1, 128\]; got 256"):
+        ops.decode_workspace(4, 1, 256, device="cuda")
+    with pytest.raises(ValueError, match="device must be a CUDA device; got cpu"):
+        ops.decode_workspace(4, 1, 16, device="cpu")
 
 
 def test_probe_scale_rejects():

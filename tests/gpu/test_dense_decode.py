@@ -12,7 +12,7 @@ key exactly 0 and -inf.
 import pytest
 import torch
 
-from mla_backend import ops
+from mla_backend import formats, ops
 from mla_backend import reference as ref
 from tests.helpers import paged_case, rel_l2
 
@@ -146,6 +146,56 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
         want, want_lse = ref.mla_decode(q, cache, table, seq_buf, None, 0.05)
         assert not out.isnan().any() and rel_l2(out, want) < TOL[torch.bfloat16]
         assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_workspace_plans_every_batch_and_s_q_and_graphs_share_it(kv_fp8):
+    """One workspace serves plans of any batch <= max and s_q <= max (vLLM's builder keeps
+    one per model); graphs captured at two batch sizes replay, alternating, against plans
+    refilled into the same memory."""
+    heads, dtype = 16, torch.bfloat16
+    cache_dtype = torch.float8_e4m3fn if kv_fp8 else None
+    ws = ops.decode_workspace(8, 4, heads, device="cuda", kv_cache_dtype=cache_dtype)
+    kw = {"kv_scale": 0.5} if kv_fp8 else {}
+
+    def case(lens, s_q):
+        q, cache, table, seq = paged_case(lens, s_q, heads, dtype=dtype, device="cuda",
+                                          seed=_fresh_seed())
+        if kv_fp8:  # the reference dequantizes the same fp8 bytes with the same scale
+            cache = formats.quantize_fp8_per_tensor(cache, 0.5)
+        return q, cache, table, seq
+
+    for lens, s_q in (([5, 3000, 0], 1), ([700] * 8, 4), ([1], 2), ([0, 64, 129, 4000], 3)):
+        q, cache, table, seq = case(lens, s_q)
+        plan = ops.plan_decode(seq, s_q, heads, kv_cache_dtype=cache_dtype, workspace=ws)
+        assert plan.metadata.data_ptr() == ws.metadata.data_ptr()
+        got, _ = ops.mla_decode(q, cache, table, seq, plan, 0.05, **kw)
+        want, _ = ref.mla_decode(q, cache, table, seq, None, 0.05, **kw)
+        assert rel_l2(got, want) < TOL[dtype]
+    with pytest.raises(ValueError, match="workspace holds plans of batch <= 8, s_q <= 4"):
+        ops.plan_decode(torch.zeros(9, dtype=torch.int32, device="cuda"), 1, heads,
+                        kv_cache_dtype=cache_dtype, workspace=ws)
+
+    graphs = {}
+    for batch in (2, 6):
+        q, cache, table, seq = case([3000] * batch, 1)
+        out = torch.empty(batch, 1, heads, 512, dtype=dtype, device="cuda")
+        plan = ops.plan_decode(seq, 1, heads, kv_cache_dtype=cache_dtype, workspace=ws)
+        ops.mla_decode(q, cache, table, seq, plan, 0.05, out=out, **kw)  # warm-up
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            plan = ops.plan_decode(seq, 1, heads, kv_cache_dtype=cache_dtype, workspace=ws)
+            ops.mla_decode(q, cache, table, seq, plan, 0.05, out=out, **kw)
+        graphs[batch] = (g, q, cache, table, seq, out)
+    gen = torch.Generator().manual_seed(_fresh_seed())
+    for batch in (6, 2, 6, 2):
+        g, q, cache, table, seq, out = graphs[batch]
+        seq.copy_(torch.randint(0, 3001, (batch,), generator=gen, dtype=torch.int32))
+        out.fill_(float("nan"))
+        g.replay()
+        want, _ = ref.mla_decode(q, cache, table, seq, None, 0.05, **kw)
+        assert not out.isnan().any() and rel_l2(out, want) < TOL[dtype]
 
 
 def test_random_shapes_fuzz():
