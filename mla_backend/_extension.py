@@ -72,3 +72,9 @@ def require(op_name: str) -> None:
 
 def is_available() -> bool:
     return load()
+
+
+def load_error() -> str | None:
+    """Why the extension did not load (None if it did)."""
+    load()
+    return None if _state["loaded"] else str(_state["error"])

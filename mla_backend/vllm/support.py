@@ -1,0 +1,101 @@
+"""What the vLLM backends accept, as reasons vLLM shows the user.
+
+vLLM's `validate_configuration` collects terse reasons ("dtype not supported"); the
+functions here return one sentence that says what was asked, what we run and what to
+change. They need no GPU, so the cpu test tier checks them against vLLM's real classes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _extension, ops
+
+NAME = "MLA_BACKEND"
+HEAD_SIZE = ops.D_QK  # 512 latent + 64 rope
+BLOCK_SIZE = ops.PAGE_SIZE
+MODEL_DTYPES = (torch.bfloat16, torch.float16)
+# "auto" = the model dtype; fp8 / fp8_e4m3 = per-tensor e4m3 with layer._k_scale.
+DENSE_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+_CACHE_DTYPE_OF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dense_kv_cache_reason(kv_cache_dtype: str | None, dtype: torch.dtype) -> str | None:
+    kv = kv_cache_dtype or "auto"
+    if kv == "fp8_ds_mla":
+        return ("kv_cache_dtype fp8_ds_mla is DeepSeek-V3.2's sparse-attention cache; dense MLA "
+                "models use --kv-cache-dtype fp8 (per-tensor e4m3) or auto")
+    if kv not in DENSE_KV_CACHE_DTYPES:
+        return (f"kv_cache_dtype {kv} is not supported by {NAME}; use one of "
+                f"{', '.join(DENSE_KV_CACHE_DTYPES)}")
+    if kv in _CACHE_DTYPE_OF and _CACHE_DTYPE_OF[kv] != dtype:
+        return (f"kv_cache_dtype {kv} with model dtype {dtype}: {NAME} keeps a 16-bit cache in "
+                f"the model dtype; use --kv-cache-dtype auto (or fp8)")
+    return None
+
+
+def dense_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                             block_size: int | None, device_capability) -> str | None:
+    """Why a dense MLA layer cannot run on our kernels, or None."""
+    if head_size != HEAD_SIZE:
+        return (f"{NAME} runs MLA with a {HEAD_SIZE}-dim latent cache (kv_lora_rank 512 + "
+                f"qk_rope_head_dim 64); this model's is {head_size}")
+    if dtype not in MODEL_DTYPES:
+        return f"model dtype {dtype} is not supported by {NAME}; use --dtype bfloat16 or float16"
+    reason = dense_kv_cache_reason(kv_cache_dtype, dtype)
+    if reason:
+        return reason
+    if block_size is not None and block_size % BLOCK_SIZE != 0:
+        return (f"--block-size {block_size}: {NAME} pages hold {BLOCK_SIZE} tokens; use a "
+                f"multiple of {BLOCK_SIZE} or leave --block-size unset")
+    if device_capability is not None and device_capability.major != 9:
+        return (f"{NAME} kernels run on Hopper GPUs (compute capability 9.x, sm_90a); this GPU "
+                f"is {device_capability.major}.{device_capability.minor}")
+    if not _extension.is_available():
+        return (f"{NAME}'s CUDA extension is not available ({_extension.load_error()}; "
+                f"install: {_extension.build_status()}); {_extension.BUILD_HINT}")
+    return config_reason()
+
+
+def max_decode_query_len(vllm_config) -> int:
+    """Query tokens per request that vLLM sends down the decode path (1, or 1 + the
+    speculative tokens, doubled drafts with parallel drafting): the builder's
+    reorder_batch_threshold for a backend with QueryLenSupport.UNIFORM and no DCP."""
+    spec = vllm_config.speculative_config
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        return 1
+    if spec is None or spec.num_speculative_tokens is None:
+        return 1
+    return 1 + (2 if spec.parallel_drafting else 1) * spec.num_speculative_tokens
+
+
+def decode_heads(vllm_config) -> int:
+    """Query heads our decode kernel sees per GPU: heads per TP rank, all-gathered over DCP."""
+    heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+    return heads * vllm_config.parallel_config.decode_context_parallel_size
+
+
+def config_reason(vllm_config=None) -> str | None:
+    """Limits that depend on the whole engine config (heads per GPU, speculative tokens)."""
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or vllm_config.model_config is None:
+        return None
+    heads = decode_heads(vllm_config)
+    if heads > ops.MAX_HEADS:
+        return (f"{heads} query heads per GPU (heads / tensor-parallel size x decode-context-"
+                f"parallel size): {NAME} decodes at most {ops.MAX_HEADS}")
+    q_len = max_decode_query_len(vllm_config)
+    if q_len > ops.MAX_Q_TOKENS_PER_REQ:
+        return (f"speculative decoding sends {q_len} query tokens per request to the decode "
+                f"kernel; {NAME} decodes at most {ops.MAX_Q_TOKENS_PER_REQ} (use "
+                f"num_speculative_tokens <= {ops.MAX_Q_TOKENS_PER_REQ - 1})")
+    return None
+
+
+SPARSE_REASON = (f"{NAME} does not implement DeepSeek-V3.2 sparse attention (DSA) yet; "
+                 f"for this model use --attention-backend FLASHMLA_SPARSE (or leave it unset)")
+NOT_MLA_REASON = (f"{NAME} implements MLA attention only (DeepSeek-V2/V3/V3.2 and models built "
+                  f"on them); this model's attention is not MLA: leave --attention-backend unset")
