@@ -15,12 +15,24 @@ def _gpu_skip_reason() -> str | None:
     return None
 
 
+def _e2e_skip_reason() -> str | None:
+    reason = _gpu_skip_reason()
+    if reason:
+        return reason
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        return f"vLLM is not importable ({e}); on the GPU machine install the vLLM kit"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    reason = None
-    checked = False
+    reasons: dict[str, str | None] = {}
     for item in items:
-        if "gpu" in item.keywords or "e2e" in item.keywords:
-            if not checked:
-                reason, checked = _gpu_skip_reason(), True
-            if reason:
-                item.add_marker(pytest.mark.skip(reason=f"GPU tier: {reason}"))
+        tier = "e2e" if "e2e" in item.keywords else "gpu" if "gpu" in item.keywords else None
+        if tier is None:
+            continue
+        if tier not in reasons:
+            reasons[tier] = _e2e_skip_reason() if tier == "e2e" else _gpu_skip_reason()
+        if reasons[tier]:
+            item.add_marker(pytest.mark.skip(reason=f"{tier} tier: {reasons[tier]}"))

@@ -9,6 +9,7 @@ the step (one GPU planner launch per step, shared by all layers, no host sync).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,6 +27,9 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 
 from .. import ops
 from . import support
+
+# Under vLLM's logger, so the line shows with vLLM's own logging settings.
+logger = logging.getLogger("vllm.mla_backend")
 
 
 class MLADenseBackend(MLACommonBackend):
@@ -115,6 +119,10 @@ class MLADenseMetadataBuilder(MLACommonMetadataBuilder[MLADenseMetadata]):
                         self.compilation_config.max_cudagraph_capture_size or 0)
         self.workspace = ops.decode_workspace(max_batch, max_q_len, self.decode_heads,
                                               device=device, kv_cache_dtype=self.kv_cache_dtype)
+        logger.info("mla_backend: dense MLA decode on %s kernels (%d query heads, cache %s, up "
+                    "to %d query tokens per request, CUDA graphs %s)", support.NAME,
+                    self.decode_heads, vllm_config.cache_config.cache_dtype, max_q_len,
+                    self._cudagraph_support.name)
 
     def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len,
                       query_start_loc_cpu, query_start_loc_device, num_decode_tokens,

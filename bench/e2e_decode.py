@@ -1,0 +1,99 @@
+"""Decode throughput of a DeepSeek-shaped model in vLLM: CUSTOM (mla_backend) vs FLASHMLA vs
+FLASH_ATTN_MLA (vLLM's default on Hopper), in one run on one GPU.
+
+The model has DeepSeek-V3's attention dims (hidden 7168, q_lora 1536, latent 512 + rope 64,
+H = 128 at TP1 or H = 16 as at TP8), a few layers (the last one MoE with a few experts) and
+vLLM's dummy weights (speed does not depend on them). Each engine runs in its own process
+(mla_backend.engine_run), decode steps in FULL CUDA graphs without torch.compile (the same
+for every backend). Time per decode step = (t(1 + steps tokens) - t(1 token)) / steps for
+`batch` requests whose `context`-token prompts are in vLLM's prefix cache; median of
+`repeats`. Writes bench/results/e2e_decode-<gpu>-<date>.json (design.md's shape: `us` = us
+per decode step; tokens/s in the printed table).
+
+    python -m bench.e2e_decode [--heads 128 16] [--batch 64] [--context 8192] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from bench import common
+from mla_backend import engines, tiny_model
+
+BACKENDS = {"ours": "CUSTOM", "flashmla": "FLASHMLA", "fa3_mla": "FLASH_ATTN_MLA"}
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.e2e_decode")
+    p.add_argument("--heads", type=int, nargs="+", default=[128, 16])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--out", default=None, help="results file or directory")
+    p.add_argument("--logs", default=None, help="directory for the engines' logs")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv if argv is not None else sys.argv[1:])
+    gpu, date, commit = common.gpu_name(), common.today(), common.git_commit()
+    tmp = tempfile.TemporaryDirectory(prefix="e2e_decode_")
+    logs = args.logs or tmp.name
+    os.makedirs(logs, exist_ok=True)
+    rows = []
+    for heads in args.heads:
+        model = tiny_model.write_config(
+            os.path.join(tmp.name, f"dsv3-h{heads}"), heads=heads, layers=args.layers,
+            hidden=7168, q_lora_rank=1536, intermediate=18432, experts=8,
+            moe_intermediate=2048, vocab=32768, max_positions=args.context + 1024)
+        config = {"model": "DeepSeek-V3 attention dims", "H": heads, "layers": args.layers,
+                  "batch": args.batch, "context": args.context, "dtype": "bf16"}
+        row = common.BenchRow(config=config)
+        tokens_per_s = {}
+        for key in args.backends:
+            spec = {"model": model, "backend": BACKENDS[key], "load_format": "dummy",
+                    "mode": "graphs", "max_model_len": args.context + args.steps + 64,
+                    "max_num_seqs": args.batch, "gpu_memory_utilization": 0.6,
+                    "max_num_batched_tokens": 16384,
+                    "timing": {"prompt_len": args.context - args.steps - 1, "batch": args.batch,
+                               "steps": args.steps, "repeats": args.repeats}}
+            log_path = os.path.join(logs, f"h{heads}-{key}.log")
+            common.log(f"H={heads} {BACKENDS[key]}: starting (log {log_path})")
+            try:
+                res = engines.run_engine(spec, log_path, label=f"H={heads} {BACKENDS[key]}",
+                                         timeout_s=900)
+            except engines.EngineFailed as e:
+                row.skipped[key] = common.short_error(e)
+                common.log(str(e))
+                continue
+            t = res["timing"]
+            row.us[key] = t["step_us"]
+            tokens_per_s[key] = t["decode_tokens_per_s"]
+            common.log(f"H={heads} {BACKENDS[key]}: {t['step_us']:.0f} us per step "
+                       f"({t['decode_tokens_per_s']:.0f} tokens/s; all: "
+                       f"{', '.join(f'{x:.0f}' for x in t['step_us_all'])}; engine start "
+                       f"{res['engine_start_s']:.0f} s)")
+        t_ours = row.us.get("ours")
+        peers = [v for k, v in row.us.items() if k != "ours"]
+        if t_ours and peers:
+            row.speedup_vs_best_peer = min(peers) / t_ours
+        row.notes["ours"] = "tokens/s " + ", ".join(
+            f"{k} {v:.0f}" for k, v in tokens_per_s.items())
+        rows.append(row)
+    path = common.resolve_out(args.out, "e2e_decode", gpu, date)
+    common.write_results(path, job="e2e_decode", gpu=gpu, date=date, commit=commit,
+                         copy_bw_gbs=None, rows=rows)
+    common.print_table(rows, list(args.backends), None)
+    common.print_summary(rows)
+    common.log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

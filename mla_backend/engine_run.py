@@ -1,0 +1,137 @@
+"""Run one vLLM engine in this process and write what it generated (and how fast) as JSON.
+
+    python -m mla_backend.engine_run SPEC.json RESULT.json
+
+One engine per process: the demo, the e2e tests and bench/e2e_decode.py start this module
+once per backend, so every engine starts clean and frees its GPU memory on exit.
+
+SPEC keys: model (dir), backend (an AttentionBackendEnum name, or null for vLLM's choice),
+mode ("eager": enforce_eager; "graphs": FULL CUDA graphs for decode, no torch.compile;
+"default": vLLM's default -O2), kv_cache_dtype, load_format, max_model_len, max_num_seqs,
+max_num_batched_tokens, tensor_parallel_size, gpu_memory_utilization, speculative (vLLM's
+speculative_config or null), tokenizer (bool: the model dir has one), prompts (token-id
+lists), max_tokens, logprobs, and optionally timing {prompt_len, batch, steps, repeats}:
+decode-step time measured as (t(1 + steps new tokens) - t(1 new token)) / steps with the
+prompts' KV in vLLM's prefix cache, median over repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "mla_backend" for ep in entry_points(group="vllm.general_plugins"))
+
+
+def _llm(spec: dict):
+    if not _entry_point_installed():
+        # Our package is importable (PYTHONPATH) but not pip-installed: vLLM's engine-core
+        # process would not load the plugin, so keep the engine in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from plugin_entry.vllm_plugin import register
+
+        register()
+    from vllm import LLM
+
+    kwargs = dict(model=spec["model"], skip_tokenizer_init=not spec.get("tokenizer", False),
+                  dtype="bfloat16", max_model_len=spec.get("max_model_len", 4096),
+                  max_num_seqs=spec.get("max_num_seqs", 64),
+                  gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5),
+                  kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+                  load_format=spec.get("load_format", "auto"), seed=0)
+    if spec.get("tensor_parallel_size", 1) > 1:
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("backend"):
+        kwargs["attention_config"] = {"backend": spec["backend"]}
+    mode = spec.get("mode", "graphs")
+    if mode == "eager":
+        kwargs["enforce_eager"] = True
+    elif mode == "graphs":
+        kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    elif mode != "default":
+        raise ValueError(f"mode must be eager, graphs or default; got {mode!r}")
+    if spec.get("speculative"):
+        kwargs["speculative_config"] = spec["speculative"]
+    return LLM(**kwargs)
+
+
+def _prompt(ids):
+    return {"prompt_token_ids": list(ids)}
+
+
+def _generate(llm, spec: dict) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0,
+                            logprobs=spec.get("logprobs", 5), detokenize=False, ignore_eos=True)
+    outs = llm.generate([_prompt(p) for p in spec["prompts"]], params, use_tqdm=False)
+    results = []
+    for out in outs:
+        comp = out.outputs[0]
+        top = []
+        for pos in comp.logprobs or []:
+            top.append(sorted(([int(t), float(lp.logprob)] for t, lp in pos.items()),
+                              key=lambda x: -x[1]))
+        results.append({"prompt_len": len(out.prompt_token_ids),
+                        "token_ids": [int(t) for t in comp.token_ids], "logprobs": top})
+    return results
+
+
+def _time_decode(llm, timing: dict) -> dict:
+    import torch
+    from vllm import SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompts = [_prompt(torch.randint(2, vocab, (timing["prompt_len"],), generator=gen).tolist())
+               for _ in range(timing["batch"])]
+    steps = timing.get("steps", 64)
+
+    def run(n):
+        p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        llm.generate(prompts, p, use_tqdm=False)
+        return time.perf_counter() - t
+
+    run(1)  # prefill once: later runs find the prompts in the prefix cache
+    run(1 + steps)  # warm-up of every decode batch size
+    step_s = []
+    for _ in range(timing.get("repeats", 3)):
+        step_s.append((run(1 + steps) - run(1)) / steps)
+    step = statistics.median(step_s)
+    return {"step_us": step * 1e6, "decode_tokens_per_s": timing["batch"] / step,
+            "step_us_all": [s * 1e6 for s in step_s], **timing}
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    t0 = time.perf_counter()
+    llm = _llm(spec)
+    result = {"spec": {k: v for k, v in spec.items() if k != "prompts"},
+              "engine_start_s": time.perf_counter() - t0}
+    cfg = getattr(llm.llm_engine, "vllm_config", None)
+    if cfg is not None:
+        result["use_v2_model_runner"] = bool(getattr(cfg, "use_v2_model_runner", False))
+        result["cudagraph_mode"] = str(cfg.compilation_config.cudagraph_mode)
+    if spec.get("prompts"):
+        result["outputs"] = _generate(llm, spec)
+    if spec.get("timing"):
+        result["timing"] = _time_decode(llm, spec["timing"])
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

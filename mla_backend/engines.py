@@ -1,0 +1,86 @@
+"""Start vLLM engines in child processes (mla_backend.engine_run) and compare what they
+generated. Used by the demo, the e2e tests and bench/e2e_decode.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+def run_engine(spec: dict, log_path: str, *, label: str = "", progress: bool = False,
+               timeout_s: float = 900, env: dict | None = None) -> dict:
+    """Run one engine (python -m mla_backend.engine_run) and return its result. Its output
+    goes to log_path; with progress, one line on stderr counts the seconds until it ends."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        child_env = dict(os.environ, **(env or {}))
+        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        start = time.time()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "mla_backend.engine_run", spec_path,
+                                     out_path], stdout=log, stderr=subprocess.STDOUT,
+                                    env=child_env)
+            done = threading.Event()
+            if progress:
+                threading.Thread(target=_tick, args=(label, start, done), daemon=True).start()
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = "timeout"
+            finally:
+                done.set()
+        if progress:
+            print(f"\r{label}: finished in {time.time() - start:.0f} s" + " " * 20,
+                  file=sys.stderr, flush=True)
+        if rc != 0 or not os.path.exists(out_path):
+            with open(log_path) as f:
+                tail = "".join(f.readlines()[-40:])
+            raise EngineFailed(f"{label or 'engine'} failed (exit {rc}); log {log_path}:\n{tail}")
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def _tick(label: str, start: float, done: threading.Event) -> None:
+    while not done.wait(2.0):
+        print(f"\r{label}: starting vLLM and generating ... {time.time() - start:.0f} s",
+              end="", file=sys.stderr, flush=True)
+
+
+def compare(a: list[dict], b: list[dict]) -> dict:
+    """Greedy outputs of two engines on the same prompts. Per prompt, positions are compared
+    up to and including the first where the chosen tokens differ (after it the contexts
+    differ). At each compared position: the largest |logprob_a - logprob_b| over tokens in
+    both top-k lists, and the top-k overlap."""
+    max_diff, positions, matched, total, divergences = 0.0, 0, 0, 0, []
+    min_overlap = None
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        n = min(len(x["token_ids"]), len(y["token_ids"]))
+        total += n
+        for j in range(n):
+            lx, ly = dict(map(tuple, x["logprobs"][j])), dict(map(tuple, y["logprobs"][j]))
+            common = lx.keys() & ly.keys()
+            overlap = len(common) / max(1, min(len(lx), len(ly)))
+            min_overlap = overlap if min_overlap is None else min(min_overlap, overlap)
+            if common:
+                max_diff = max(max_diff, max(abs(lx[t] - ly[t]) for t in common))
+            positions += 1
+            if x["token_ids"][j] != y["token_ids"][j]:
+                divergences.append({"prompt": i, "position": j,
+                                    "tokens": [x["token_ids"][j], y["token_ids"][j]]})
+                break
+            matched += 1
+    return {"max_abs_logprob_diff": max_diff, "positions_compared": positions,
+            "min_topk_overlap": min_overlap if min_overlap is not None else 1.0,
+            "matching_tokens": matched, "total_tokens": total, "divergences": divergences}
