@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     for heads in args.heads:
         model = tiny_model.write_config(
             os.path.join(tmp.name, f"dsv3-h{heads}"), heads=heads, layers=args.layers,
-            hidden=7168, q_lora_rank=1536, intermediate=18432, experts=8,
+            hidden=7168, q_lora_rank=1536, intermediate=18432, experts=8, experts_per_token=8,
             moe_intermediate=2048, vocab=32768, max_positions=args.context + 1024)
         config = {"model": "DeepSeek-V3 attention dims", "H": heads, "layers": args.layers,
                   "batch": args.batch, "context": args.context, "dtype": "bf16"}

@@ -9,9 +9,9 @@ SPEC keys: model (dir), backend (an AttentionBackendEnum name, or null for vLLM'
 mode ("eager": enforce_eager; "graphs": FULL CUDA graphs for decode, no torch.compile;
 "default": vLLM's default -O2), kv_cache_dtype, load_format, max_model_len, max_num_seqs,
 max_num_batched_tokens, tensor_parallel_size, gpu_memory_utilization, speculative (vLLM's
-speculative_config or null), tokenizer (bool: the model dir has one), prompts (token-id
-lists), max_tokens, logprobs, and optionally timing {prompt_len, batch, steps, repeats}:
-decode-step time measured as (t(1 + steps new tokens) - t(1 new token)) / steps with the
+speculative_config or null), async_scheduling (null: vLLM's default), tokenizer (bool: the
+model dir has one), prompts (token-id lists), max_tokens, logprobs, and optionally timing
+{prompt_len, batch, steps, repeats}: decode-step time measured as (t(1 + steps new tokens) - t(1 new token)) / steps with the
 prompts' KV in vLLM's prefix cache, median over repeats.
 """
 
@@ -59,6 +59,8 @@ def _llm(spec: dict):
         kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     elif mode != "default":
         raise ValueError(f"mode must be eager, graphs or default; got {mode!r}")
+    if spec.get("async_scheduling") is not None:
+        kwargs["async_scheduling"] = spec["async_scheduling"]
     if spec.get("speculative"):
         kwargs["speculative_config"] = spec["speculative"]
     return LLM(**kwargs)

@@ -7,6 +7,11 @@ model, and the comparison proves nothing. Here matrices are U(+-sqrt(3 / fan_in)
 variance outputs), norms are 1, and the query projection is scaled by `attention_gain` so the
 attention logits have a standard deviation of about `attention_gain`.
 
+The MoE layer routes every token to all of its experts (experts = experts per token = 2): a
+router choosing among experts flips its choice on bf16-level differences between backends
+(seen on the H200: one step's logprobs 0.37 apart while the attention outputs agreed to
+6e-4), which would turn a kernel comparison into a coin toss.
+
 `write_config` writes only `config.json` (for `load_format="dummy"`, e.g. DeepSeek-sized
 models in the end-to-end benchmark).
 """
@@ -33,7 +38,7 @@ ARCHS = {
 
 def make_config(*, arch: str = "v3", heads: int = 16, layers: int = 2, hidden: int = 512,
                 vocab: int = 2048, q_lora_rank: int | None = 256, intermediate: int = 1024,
-                experts: int = 4, moe_intermediate: int = 256,
+                experts: int = 2, experts_per_token: int = 2, moe_intermediate: int = 256,
                 max_positions: int = 8192) -> dict:
     """A DeepSeek config with the real MLA dims (latent 512, rope 64, nope 128, v 128): the
     last layer is MoE (vLLM's DeepSeek model needs one), the others dense."""
@@ -47,7 +52,8 @@ def make_config(*, arch: str = "v3", heads: int = 16, layers: int = 2, hidden: i
         "moe_intermediate_size": moe_intermediate, "num_hidden_layers": layers,
         "first_k_dense_replace": layers - 1, "moe_layer_freq": 1,
         "num_attention_heads": heads, "num_key_value_heads": heads,
-        "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "n_routed_experts": experts, "n_shared_experts": 1,
+        "num_experts_per_tok": experts_per_token,
         "n_group": 1, "topk_group": 1,
         "q_lora_rank": None if arch == "v2" else q_lora_rank, "kv_lora_rank": 512,
         "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
