@@ -11,8 +11,8 @@ mode ("eager": enforce_eager; "graphs": FULL CUDA graphs for decode, no torch.co
 max_num_batched_tokens, tensor_parallel_size, gpu_memory_utilization, speculative (vLLM's
 speculative_config or null), async_scheduling (null: vLLM's default), tokenizer (bool: the
 model dir has one), prompts (token-id lists), max_tokens, logprobs, and optionally timing
-{prompt_len, batch, steps, repeats}: decode-step time measured as (t(1 + steps new tokens) - t(1 new token)) / steps with the
-prompts' KV in vLLM's prefix cache, median over repeats.
+{prompt_len, batch, steps, repeats}: decode-step time measured as (t(1 + steps new tokens) -
+t(1 new token)) / steps with the prompts' KV in vLLM's prefix cache, median over repeats.
 """
 
 from __future__ import annotations
