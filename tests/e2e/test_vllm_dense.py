@@ -31,7 +31,7 @@ from mla_backend import engines, tiny_model
 pytestmark = pytest.mark.e2e
 
 PROMPT_LENS = [1, 7, 64, 300, 1000, 3000]
-BASE = {"max_model_len": 4096, "max_num_seqs": 32, "max_num_batched_tokens": 1024,
+BASE = {"mode": "graphs", "max_model_len": 4096, "max_num_seqs": 32, "max_num_batched_tokens": 1024,
         "gpu_memory_utilization": 0.3, "max_tokens": 12, "logprobs": 5}
 _results: dict = {}
 _report: dict = {}
@@ -39,6 +39,12 @@ _report: dict = {}
 
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory):
+    cache = os.environ.get("E2E_CACHE_DIR")
+    if cache:  # cached results name their model dirs: keep them in the cache too
+        os.makedirs(cache, exist_ok=True)
+        import pathlib
+
+        return pathlib.Path(cache)
     return tmp_path_factory.mktemp("e2e")
 
 
