@@ -62,7 +62,8 @@ def _llm(spec: dict):
     if spec.get("async_scheduling") is not None:
         kwargs["async_scheduling"] = spec["async_scheduling"]
     if spec.get("speculative"):
-        kwargs["speculative_config"] = spec["speculative"]
+        # a copy: vLLM stores objects (its ModelConfig) into the dict it is given
+        kwargs["speculative_config"] = dict(spec["speculative"])
     return LLM(**kwargs)
 
 
