@@ -5,9 +5,9 @@ The model has DeepSeek-V3's attention dims (hidden 7168, q_lora 1536, latent 512
 H = 128 at TP1 or H = 16 as at TP8), a few layers (the last one MoE with a few experts) and
 vLLM's dummy weights (speed does not depend on them). Each engine runs in its own process
 (mla_backend.engine_run), decode steps in FULL CUDA graphs without torch.compile (the same
-for every backend). Time per decode step = (last - first token time) / (tokens - 1) of each
-of `batch` requests generating 1 + `steps` tokens after `context`-token prompts that are in
-vLLM's prefix cache (vLLM's engine-core timestamps); median over requests, then `repeats`.
+for every backend). Time per decode step = (t(1 + 2 steps tokens) - t(1 + steps tokens)) /
+steps for `batch` requests whose `context`-token prompts are in vLLM's prefix cache (both
+runs pay the same prefill and first token); median of `repeats`.
 Writes bench/results/e2e_decode-<gpu>-<date>.json (design.md's shape: `us` = us per decode
 step; tokens/s in the printed table).
 
