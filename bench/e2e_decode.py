@@ -33,8 +33,8 @@ def _parse(argv):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     p.add_argument("--out", default=None, help="results file or directory")
     p.add_argument("--logs", default=None, help="directory for the engines' logs")
@@ -87,9 +87,10 @@ def main(argv=None) -> int:
         row.notes["ours"] = "tokens/s " + ", ".join(
             f"{k} {v:.0f}" for k, v in tokens_per_s.items())
         rows.append(row)
-    path = common.resolve_out(args.out, "e2e_decode", gpu, date)
-    common.write_results(path, job="e2e_decode", gpu=gpu, date=date, commit=commit,
-                         copy_bw_gbs=None, rows=rows)
+        # after every row: a run cut short still leaves what it measured
+        path = common.resolve_out(args.out, "e2e_decode", gpu, date)
+        common.write_results(path, job="e2e_decode", gpu=gpu, date=date, commit=commit,
+                             copy_bw_gbs=None, rows=rows)
     common.print_table(rows, list(args.backends), None)
     common.print_summary(rows)
     common.log(f"wrote {path}")
