@@ -5,9 +5,11 @@ The model has DeepSeek-V3's attention dims (hidden 7168, q_lora 1536, latent 512
 H = 128 at TP1 or H = 16 as at TP8), a few layers (the last one MoE with a few experts) and
 vLLM's dummy weights (speed does not depend on them). Each engine runs in its own process
 (mla_backend.engine_run), decode steps in FULL CUDA graphs without torch.compile (the same
-for every backend). Time per decode step = (t(1 + 2 steps tokens) - t(1 + steps tokens)) /
-steps for `batch` requests whose `context`-token prompts are in vLLM's prefix cache (both
-runs pay the same prefill and first token); median of `repeats`.
+for every backend). Time per decode step: `batch` requests whose `context`-token prompts are
+in vLLM's prefix cache are driven through the engine's step loop; once all of them decode,
+the span of the whole-batch steps over their number (prefill excluded); median of
+`repeats`. (The first method, differences of `generate` wall times, gave repeats 2x apart on
+the H200; this one has not run on a GPU yet.)
 Writes bench/results/e2e_decode-<gpu>-<date>.json (design.md's shape: `us` = us per decode
 step; tokens/s in the printed table).
 

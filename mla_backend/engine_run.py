@@ -88,10 +88,35 @@ def _generate(llm, spec: dict) -> list[dict]:
     return results
 
 
+def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str) -> float:
+    """Drive the engine step by step: once every request has its first token (prefill done),
+    each engine step returns one new token for each of them; the step time is the span
+    between the first and the last such step over their number. Prefill is not in it."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=1 + steps, temperature=0.0, ignore_eos=True,
+                            detokenize=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    produced: dict[str, int] = {}
+    stamps = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            produced[o.request_id] = len(o.outputs[0].token_ids)
+        decoding = len(produced) == len(prompts) and min(produced.values()) >= 2
+        if decoding and len(outs) == len(prompts):
+            stamps.append(now)
+    if len(stamps) < 3:
+        raise RuntimeError(f"only {len(stamps)} whole-batch decode steps seen; raise steps")
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
 def _time_decode(llm, timing: dict) -> dict:
-    """Decode-step time: (t(1 + 2 * steps tokens) - t(1 + steps tokens)) / steps for `batch`
-    requests whose prompts are already in vLLM's prefix cache, so both runs pay the same
-    prefill and first token and the difference is `steps` decode steps. Median of repeats."""
+    """Decode-step time of `batch` requests whose prompts are in vLLM's prefix cache, from
+    the engine's own step loop (_decode_step_s). Median of repeats."""
     import torch
     from vllm import SamplingParams
 
@@ -100,17 +125,11 @@ def _time_decode(llm, timing: dict) -> dict:
     prompts = [_prompt(torch.randint(2, vocab, (timing["prompt_len"],), generator=gen).tolist())
                for _ in range(timing["batch"])]
     steps = timing.get("steps", 64)
-
-    def run(n):
-        p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
-        t = time.perf_counter()
-        llm.generate(prompts, p, use_tqdm=False)
-        return time.perf_counter() - t
-
-    run(1)  # prefill once: later runs find the prompts in the prefix cache
-    run(1 + 2 * steps)  # warm-up of every decode batch size
-    step_s = [(run(1 + 2 * steps) - run(1 + steps)) / steps
-              for _ in range(timing.get("repeats", 3))]
+    # prefill once (later requests find the prompts in the prefix cache) and warm up
+    llm.generate(prompts, SamplingParams(max_tokens=1 + steps, temperature=0.0,
+                                         ignore_eos=True, detokenize=False), use_tqdm=False)
+    step_s = [_decode_step_s(llm, prompts, steps, f"timing{r}")
+              for r in range(timing.get("repeats", 3))]
     step = statistics.median(step_s)
     return {"step_us": step * 1e6, "decode_tokens_per_s": timing["batch"] / step,
             "step_us_all": [s * 1e6 for s in step_s], **timing}
