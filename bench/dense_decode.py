@@ -325,16 +325,18 @@ def build_ours(x: Inputs, args: argparse.Namespace) -> Kernel:
     return Kernel(step=step, check=lambda: step(0), step_premeta=decode)
 
 
-def build_flashmla(x: Inputs, args: argparse.Namespace) -> Kernel:
-    from vllm.v1.attention.ops.flashmla import (
-        flash_mla_with_kvcache,
-        get_mla_metadata,
-        is_flashmla_dense_supported,
-    )
+def _require_flashmla_dense() -> None:
+    from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
 
     ok, why = is_flashmla_dense_supported()
     if not ok:
         raise NotApplicable(f"FlashMLA dense not supported here: {why}")
+
+
+def build_flashmla(x: Inputs, args: argparse.Namespace) -> Kernel:
+    from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata
+
+    _require_flashmla_dense()
     p = x.pool
     k_cache = p.cache.unsqueeze(-2)                       # [nb, 64, 1, 576]
     qs = [x.q4(i) for i in range(x.nsets)]                # reshape_query_for_spec_decode
@@ -523,12 +525,9 @@ def build_flashmla_fp8(x: Inputs, args: argparse.Namespace) -> Kernel:
     from vllm.v1.attention.ops.flashmla import (
         flash_mla_with_kvcache_fp8,
         get_mla_metadata_dense_fp8,
-        is_flashmla_dense_supported,
     )
 
-    ok, why = is_flashmla_dense_supported()
-    if not ok:
-        raise NotApplicable(f"FlashMLA dense not supported here: {why}")
+    _require_flashmla_dense()
     p = x.pool
     k_cache = p.cache.unsqueeze(-2)                       # [nb, 64, 1, 576] e4m3
     if p.kv_scale_t is None:

@@ -75,6 +75,10 @@ def main(argv=None) -> int:
                 row.skipped[key] = common.short_error(e)
                 common.log(str(e))
                 continue
+            if "timing" not in res:
+                row.skipped[key] = res.get("timing_error", "no timing")
+                common.log(f"H={heads} {BACKENDS[key]}: not timed: {row.skipped[key]}")
+                continue
             t = res["timing"]
             row.us[key] = t["step_us"]
             tokens_per_s[key] = t["decode_tokens_per_s"]

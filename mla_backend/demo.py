@@ -14,6 +14,7 @@ means something.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -77,9 +78,8 @@ def main(argv=None) -> int:
                                             layers=2, max_positions=args.context + 512)
         tokenizer_ok = False
         desc = f"tiny DeepSeek-V3 ({args.heads} heads, 2 layers, random non-uniform weights)"
-    import json
-
-    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
     prompts, tok = _prompts(args.model, vocab)
     print(f"mla_backend demo: {desc}\n  model dir: {model}", flush=True)
     base = {"model": model, "tokenizer": tokenizer_ok and tok is not None,
@@ -114,13 +114,18 @@ def main(argv=None) -> int:
     print(f"\ngenerated tokens agree: {'yes' if same else 'no'} ({cmp['matching_tokens']}/"
           f"{cmp['total_tokens']}); largest |logprob difference| over "
           f"{cmp['positions_compared']} positions: {cmp['max_abs_logprob_diff']:.4f}")
-    t_ours, t_peer = ours["timing"], peer["timing"]
     print(f"decode tokens/s (batch {args.batch}, {args.context}-token context, "
           f"{'eager' if args.eager else 'CUDA graphs'}):")
-    for name, t in (("CUSTOM (mla_backend)", t_ours), (peer_name, t_peer)):
-        print(f"  {name:22s}: {t['decode_tokens_per_s']:10.0f} tokens/s "
-              f"({t['step_us']:.0f} us per step)")
-    print(f"  speedup: {t_ours['decode_tokens_per_s'] / t_peer['decode_tokens_per_s']:.2f}x")
+    for name, run in (("CUSTOM (mla_backend)", ours), (peer_name, peer)):
+        t = run.get("timing")
+        if t is None:
+            print(f"  {name:22s}: not measured ({run.get('timing_error', 'no timing')})")
+        else:
+            print(f"  {name:22s}: {t['decode_tokens_per_s']:10.0f} tokens/s "
+                  f"({t['step_us']:.0f} us per step)")
+    if ours.get("timing") and peer.get("timing"):
+        speedup = ours["timing"]["decode_tokens_per_s"] / peer["timing"]["decode_tokens_per_s"]
+        print(f"  speedup: {speedup:.2f}x")
     kept = "" if args.logs else " (deleted on exit; --logs DIR keeps them)"
     print(f"engine logs: {logs}{kept}")
     return 0

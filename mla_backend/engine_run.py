@@ -23,14 +23,16 @@ import sys
 import time
 
 
-def _entry_point_installed() -> bool:
+def entry_point_installed() -> bool:
+    """Whether this package's vllm.general_plugins entry point is installed (then every
+    vLLM process, the engine core included, loads the plugin)."""
     from importlib.metadata import entry_points
 
     return any(ep.name == "mla_backend" for ep in entry_points(group="vllm.general_plugins"))
 
 
 def _llm(spec: dict):
-    if not _entry_point_installed():
+    if not entry_point_installed():
         # Our package is importable (PYTHONPATH) but not pip-installed: vLLM's engine-core
         # process would not load the plugin, so keep the engine in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -150,7 +152,10 @@ def main(argv: list[str]) -> int:
     if spec.get("prompts"):
         result["outputs"] = _generate(llm, spec)
     if spec.get("timing"):
-        result["timing"] = _time_decode(llm, spec["timing"])
+        try:
+            result["timing"] = _time_decode(llm, spec["timing"])
+        except Exception as e:  # the outputs above still stand; the caller reports this
+            result["timing_error"] = f"{type(e).__name__}: {e}"
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0

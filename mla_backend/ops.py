@@ -180,6 +180,19 @@ class DecodeWorkspace:
         return plan
 
 
+def _workspace(max_batch: int, q_tokens: range | list[int], num_heads: int, kv_fp8: bool,
+               device: torch.device, num_sms: int) -> DecodeWorkspace:
+    """Buffers for every plan with batch <= max_batch and s_q in q_tokens."""
+    part_rows = max(2 * _grid(s_q * num_heads, kv_fp8, num_sms)[2] * s_q * num_heads
+                    for s_q in q_tokens)
+    return DecodeWorkspace(
+        max_batch=max_batch, max_q_tokens_per_req=max(q_tokens), num_heads=num_heads,
+        kv_fp8=kv_fp8, num_sms=num_sms,
+        metadata=torch.zeros(max_batch + 2, dtype=torch.int32, device=device),
+        partial_out=torch.empty(part_rows * D_V, dtype=torch.float32, device=device),
+        partial_lse=torch.empty(part_rows, dtype=torch.float32, device=device), plans={})
+
+
 def decode_workspace(max_batch: int, max_q_tokens_per_req: int, num_heads: int, *,
                      device: torch.device | str, kv_cache_dtype: torch.dtype | None = None,
                      num_sms: int | None = None) -> DecodeWorkspace:
@@ -193,18 +206,9 @@ def decode_workspace(max_batch: int, max_q_tokens_per_req: int, num_heads: int, 
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device; got {device}")
-    kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
     sms = num_sms if num_sms is not None else _num_sms(device)
-    part_rows = 0
-    for s_q in range(1, max_q_tokens_per_req + 1):
-        rows = s_q * num_heads
-        part_rows = max(part_rows, 2 * _grid(rows, kv_fp8, sms)[2] * rows)
-    return DecodeWorkspace(
-        max_batch=max_batch, max_q_tokens_per_req=max_q_tokens_per_req, num_heads=num_heads,
-        kv_fp8=kv_fp8, num_sms=sms,
-        metadata=torch.zeros(max_batch + 2, dtype=torch.int32, device=device),
-        partial_out=torch.empty(part_rows * D_V, dtype=torch.float32, device=device),
-        partial_lse=torch.empty(part_rows, dtype=torch.float32, device=device), plans={})
+    return _workspace(max_batch, range(1, max_q_tokens_per_req + 1), num_heads,
+                      kv_cache_dtype == torch.float8_e4m3fn, device, sms)
 
 
 def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: int, *,
@@ -222,7 +226,6 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
     device = seq_lens.device
     batch = seq_lens.shape[0]
     kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
-    rows = num_q_tokens_per_req * num_heads
     if out is not None:
         if (out.batch, out.q_tokens_per_req, out.num_heads, out.kv_fp8) != (
                 batch, num_q_tokens_per_req, num_heads, kv_fp8):
@@ -245,16 +248,10 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
         if ws.metadata.device != device:
             raise ValueError(f"workspace is on {ws.metadata.device} but seq_lens is on {device}")
         plan = ws.plan_view(batch, num_q_tokens_per_req)
-    else:
+    else:  # a plan with buffers of its own: a workspace for exactly this step
         sms = num_sms if num_sms is not None else _num_sms(device)
-        rows_per_cta, unit_tokens, num_ctas = _grid(rows, kv_fp8, sms)
-        plan = DecodePlan(
-            batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads,
-            kv_fp8=kv_fp8, rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
-            metadata=torch.empty(batch + 2, dtype=torch.int32, device=device),
-            partial_out=torch.empty(2 * num_ctas, rows, D_V, dtype=torch.float32, device=device),
-            partial_lse=torch.empty(2 * num_ctas, rows, dtype=torch.float32, device=device),
-        )
+        plan = _workspace(batch, [num_q_tokens_per_req], num_heads, kv_fp8, device,
+                          sms).plan_view(batch, num_q_tokens_per_req)
     _extension.require("plan_decode")
     min_units = -(-MIN_TOKENS_PER_CTA // plan.unit_tokens)
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,

@@ -111,10 +111,7 @@ class MLADenseMetadataBuilder(MLACommonMetadataBuilder[MLADenseMetadata]):
         self.kv_cache_dtype = (torch.float8_e4m3fn
                                if is_quantized_kv_cache(vllm_config.cache_config.cache_dtype)
                                else None)
-        max_q_len = self.reorder_batch_threshold
-        if not 1 <= max_q_len <= ops.MAX_Q_TOKENS_PER_REQ:
-            raise ValueError(f"{support.NAME} decodes at most {ops.MAX_Q_TOKENS_PER_REQ} query "
-                             f"tokens per request; this config sends {max_q_len}")
+        max_q_len = self.reorder_batch_threshold  # 1 + speculative tokens (checked above)
         max_batch = max(vllm_config.scheduler_config.max_num_seqs,
                         self.compilation_config.max_cudagraph_capture_size or 0)
         self.workspace = ops.decode_workspace(max_batch, max_q_len, self.decode_heads,

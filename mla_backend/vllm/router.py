@@ -13,18 +13,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.attention.backend import AttentionBackend
 
 from . import support
 
 DENSE_BACKEND = "mla_backend.vllm.dense.MLADenseBackend"
-
-
-def _resolve(path: str) -> type[AttentionBackend]:
-    import importlib
-
-    module, name = path.rsplit(".", 1)
-    return getattr(importlib.import_module(module), name)
 
 
 class MLABackendRouter(AttentionBackend):
@@ -39,7 +33,7 @@ class MLABackendRouter(AttentionBackend):
     @classmethod
     def backend_for(cls, use_mla: bool, use_sparse: bool) -> type[AttentionBackend] | None:
         if use_mla and not use_sparse:
-            return _resolve(DENSE_BACKEND)
+            return resolve_obj_by_qualname(DENSE_BACKEND)
         return None
 
     @classmethod

@@ -17,6 +17,7 @@ the peers' logprobs allow it (a near-tie), which the same bound covers.
 
 import json
 import os
+import pathlib
 import re
 import socket
 import subprocess
@@ -26,7 +27,7 @@ import urllib.request
 
 import pytest
 
-from mla_backend import engines, tiny_model
+from mla_backend import engine_run, engines, tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -42,8 +43,6 @@ def workdir(tmp_path_factory):
     cache = os.environ.get("E2E_CACHE_DIR")
     if cache:  # cached results name their model dirs: keep them in the cache too
         os.makedirs(cache, exist_ok=True)
-        import pathlib
-
         return pathlib.Path(cache)
     return tmp_path_factory.mktemp("e2e")
 
@@ -192,9 +191,7 @@ def _free_port():
 def test_vllm_serve_answers_a_completion(workdir):
     """The README's serve command (vLLM defaults: torch.compile + CUDA graphs) with the
     plugin found through its installed entry point."""
-    from importlib.metadata import entry_points
-
-    assert any(ep.name == "mla_backend" for ep in entry_points(group="vllm.general_plugins")), \
+    assert engine_run.entry_point_installed(), \
         "pip install this package on the GPU machine first (the engine process needs the entry point)"
     model = _model(workdir, "v3", 16)
     port = _free_port()
