@@ -9,7 +9,8 @@ for every backend). Time per decode step: `batch` requests whose `context`-token
 in vLLM's prefix cache are driven through the engine's step loop; once all of them decode,
 the span of the whole-batch steps over their number (prefill excluded); median of
 `repeats`. (The first method, differences of `generate` wall times, gave repeats 2x apart on
-the H200; this one has not run on a GPU yet.)
+the H200. This one ran on the H200 on 2026-11-21, docs/vllm.md: repeats still 18-42% apart,
+more than the differences between backends.)
 Writes bench/results/e2e_decode-<gpu>-<date>.json (design.md's shape: `us` = us per decode
 step; tokens/s in the printed table).
 
