@@ -38,6 +38,16 @@ struct DecodeParams {
   float kv_scale_value;       // ... then this value
   float scale_log2;
   bool causal;
+  // Sparse (DSA) attention: request r of the plan is query group r = (b, s) = (r / group_s_q,
+  // r % group_s_q) with `rows` = H query rows; its keys are the cache slots listed in
+  // indices[b, s, 0 .. len) (len = min(topk_length[b], topk), or topk), slot = block * 64 +
+  // offset; a slot outside [0, num_slots) is skipped. Dense: indices == nullptr, group_s_q 1.
+  const int* indices = nullptr;
+  int64_t idx_stride_b = 0, idx_stride_s = 0;
+  const int* topk_length = nullptr;
+  int topk = 0;
+  int group_s_q = 1;
+  int64_t num_slots = 0;
 };
 
 template <typename T> struct Mma;

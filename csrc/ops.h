@@ -18,4 +18,12 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
                 int64_t rows_per_cta, double softmax_scale, bool causal,
                 const std::optional<at::Tensor>& kv_scale, double kv_scale_value);
 
+void plan_sparse_decode(const std::optional<at::Tensor>& topk_length, at::Tensor& metadata,
+                        int64_t q_tokens_per_req, int64_t topk, int64_t num_ctas, int64_t min_units);
+
+void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
+                       const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
+                       at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse,
+                       int64_t num_ctas, int64_t rows_per_cta, double softmax_scale);
+
 }  // namespace mla_backend

@@ -14,10 +14,19 @@ TORCH_LIBRARY(mla_backend, m) {
       "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, "
       "int num_ctas, int rows_per_cta, float softmax_scale, bool causal, Tensor? kv_scale, "
       "float kv_scale_value) -> ()");
+  m.def(
+      "plan_sparse_decode(Tensor? topk_length, Tensor(a!) metadata, int q_tokens_per_req, int topk, "
+      "int num_ctas, int min_units) -> ()");
+  m.def(
+      "sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor metadata, "
+      "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, int num_ctas, "
+      "int rows_per_cta, float softmax_scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_backend, CUDA, m) {
   m.impl("probe_scale", &mla_backend::probe_scale);
   m.impl("plan_decode", &mla_backend::plan_decode);
   m.impl("mla_decode", &mla_backend::mla_decode);
+  m.impl("plan_sparse_decode", &mla_backend::plan_sparse_decode);
+  m.impl("sparse_mla_decode", &mla_backend::sparse_mla_decode);
 }

@@ -110,11 +110,9 @@ def _sparse_attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     """q [N, s, H, 576], indices [N, s, topk] into kv's slots; topk_length [N] or None."""
     num_slots = kv.shape[0] if kv.dim() == 2 else kv.shape[0] * kv.shape[1]
     idx = indices.to(torch.int64)
-    if bool(((idx >= num_slots) | (idx < -1)).any()):
-        bad = idx[(idx >= num_slots) | (idx < -1)][0].item()
-        raise ValueError(f"indices holds {bad}, outside [-1, {num_slots}) for kv with "
-                         f"shape {tuple(kv.shape)}")
-    valid = idx >= 0
+    # -1 pads; any other slot outside the cache is skipped too (the kernels cannot raise
+    # from the GPU without a host sync; FlashMLA's sparse prefill does the same)
+    valid = (idx >= 0) & (idx < num_slots)
     if topk_length is not None:
         j = torch.arange(idx.shape[-1], device=idx.device)
         valid &= j.view(1, 1, -1) < topk_length.to(torch.int64).view(-1, 1, 1)
@@ -132,7 +130,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
                       compute_dtype: torch.dtype = torch.float32):
     """Sparse (DSA) decode. q [B, s_q, H, 576]; kv_cache [num_blocks, 64, 576] bf16 or
     [num_blocks, 64, 656] uint8 fp8_ds_mla; indices [B, s_q, topk] global slots
-    (block * 64 + offset, -1 = none; duplicates count as often as they appear);
+    (block * 64 + offset; -1 or any slot outside the cache = none; duplicates count as often
+    as they appear);
     topk_length [B]: only the first topk_length[b] indices of request b are read."""
     del plan
     o, lse = _sparse_attend(q, kv_cache, indices, softmax_scale, topk_length, kv_scale,

@@ -125,3 +125,91 @@ def test_missing_extension_error_names_the_op_and_the_build(monkeypatch, tmp_pat
                        match=r"mla_backend.ops.mla_decode needs the CUDA extension .*"
                              r"pip install --no-build-isolation"):
         _extension.require("mla_decode")
+
+
+# ----------------------------------------------------------------------------- sparse
+
+
+def _sparse_args(batch=2, s_q=1, heads=16, topk=64, length=None):
+    plan = ops.SparsePlan(batch=batch, q_tokens_per_req=s_q, num_heads=heads, topk=topk,
+                          topk_length=length, rows_per_cta=16, num_ctas=1,
+                          metadata=torch.zeros(batch * s_q + 2, dtype=torch.int32),
+                          partial_out=torch.zeros(2, heads, 512),
+                          partial_lse=torch.zeros(2, heads))
+    return dict(q=torch.randn(batch, s_q, heads, 576).bfloat16(),
+                kv_cache=torch.randn(4, 64, 576).bfloat16(),
+                indices=torch.zeros(batch, s_q, topk, dtype=torch.int32), plan=plan,
+                softmax_scale=0.04)
+
+
+SPARSE_CASES = [
+    ("q", lambda a: a["q"].half(), TypeError, r"q must be bfloat16 for the sparse kernels; got .*float16"),
+    ("q", lambda a: a["q"][..., :512], ValueError, r"q must be \[batch, s_q, heads, 576\]; got shape \(2, 1, 16, 512\)"),
+    ("q", lambda a: torch.randn(2, 1, 129, 576).bfloat16(), ValueError, r"heads in \[1, 128\]"),
+    ("kv_cache", lambda a: a["kv_cache"].to(torch.float8_e4m3fn), TypeError, "not a per-tensor float8_e4m3fn cache"),
+    ("kv_cache", lambda a: a["kv_cache"].half(), TypeError, r"kv_cache must be bfloat16 \[.., 576\] or uint8 fp8_ds_mla \[.., 656\]"),
+    ("kv_cache", lambda a: torch.zeros(4, 64, 576, dtype=torch.uint8), ValueError, r"kv_cache must be \[num_blocks, 64, 656\] for dtype torch.uint8; got shape \(4, 64, 576\)"),
+    ("kv_cache", lambda a: torch.zeros(256, 576).bfloat16(), ValueError, r"kv_cache must be \[num_blocks, 64, 576\] for"),
+    ("kv_cache", lambda a: torch.zeros(4, 64, 580).bfloat16()[..., 4:], ValueError, "16-byte aligned"),
+    ("indices", lambda a: a["indices"].long(), ValueError, r"indices must be int32 \[batch=2, s_q=1, topk <= 16384\]"),
+    ("indices", lambda a: torch.zeros(2, 1, 16385, dtype=torch.int32), ValueError, r"topk <= 16384.*16385"),
+    ("indices", lambda a: torch.zeros(2, 2, 64, dtype=torch.int32), ValueError, r"indices .*shape \(2, 2, 64\)"),
+    ("plan", lambda a: None, TypeError, "plan must be a SparsePlan from plan_sparse_decode; got NoneType"),
+    ("plan", lambda a: _sparse_args(topk=32)["plan"], ValueError, "plan is for batch 2, s_q 1, H 16, topk 32"),
+    ("softmax_scale", lambda a: 0.0, ValueError, "softmax_scale must be a positive finite float"),
+]
+
+
+@pytest.mark.parametrize("name,make,exc,msg", SPARSE_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(SPARSE_CASES)])
+def test_sparse_mla_decode_rejects(name, make, exc, msg):
+    args = _sparse_args()
+    args[name] = make(args)
+    with pytest.raises(exc, match=msg):
+        ops.sparse_mla_decode(**args)
+
+
+def test_sparse_topk_length_must_be_the_plans():
+    length = torch.full((2,), 5, dtype=torch.int32)
+    args = _sparse_args(length=length)
+    with pytest.raises(ValueError, match="topk_length must be the tensor the plan was made with"):
+        ops.sparse_mla_decode(**args, topk_length=length.clone())
+    with pytest.raises(ValueError, match="must be on a CUDA device"):  # plan's own is used
+        ops.sparse_mla_decode(**args)
+
+
+def test_sparse_prefill_rejects():
+    q, kv = torch.randn(3, 16, 576).bfloat16(), torch.randn(100, 576).bfloat16()
+    idx = torch.zeros(3, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q must be \[tokens, heads, 576\]"):
+        ops.sparse_mla_prefill(q[0], kv, idx, 0.1)
+    with pytest.raises(ValueError, match=r"indices must be int32 \[tokens=3, topk\]"):
+        ops.sparse_mla_prefill(q, kv, idx[:2], 0.1)
+    with pytest.raises(ValueError, match=r"kv must be \[num_blocks, 64, 576\] or \[S, 576\]"):
+        ops.sparse_mla_prefill(q, kv.view(100, 2, 288), idx, 0.1)
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        ops.sparse_mla_prefill(q, kv, idx, 0.1)
+
+
+def test_plan_sparse_decode_rejects():
+    with pytest.raises(ValueError, match=r"topk must be an int in \[1, 16384\]; got 0"):
+        ops.plan_sparse_decode(2, 1, 16, 0, device="cpu")
+    with pytest.raises(ValueError, match=r"num_heads must be an int in \[1, 128\]"):
+        ops.plan_sparse_decode(2, 1, 200, 64, device="cpu")
+    with pytest.raises(ValueError, match=r"topk_length must be contiguous int32 \[batch=2\]"):
+        ops.plan_sparse_decode(2, 1, 16, 64, topk_length=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        ops.plan_sparse_decode(2, 1, 16, 64, topk_length=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="pass device"):
+        ops.plan_sparse_decode(2, 1, 16, 64)
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        ops.plan_sparse_decode(2, 1, 16, 64, device="cpu")
+    with pytest.raises(ValueError, match="max_groups must be a positive int"):
+        ops.sparse_workspace(0, 16, device="cpu")
+
+
+def test_sparse_tiles_cover_every_head_count():
+    for heads in range(1, 129):
+        rows, ctas = ops._sparse_grid(heads, 132)
+        assert rows in (16, 32, 64) and heads <= rows * -(-heads // rows)
+        assert (rows == 16) == (heads <= 16) and ctas >= 66

@@ -135,10 +135,16 @@ def test_sparse_prefill_paged_equals_flat():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_sparse_rejects_out_of_range_index():
-    with pytest.raises(ValueError, match="indices holds 64"):
-        ref.sparse_mla_prefill(torch.randn(1, 1, 576), torch.randn(64, 576),
-                               torch.tensor([[64]], dtype=torch.int32), SCALE)
+def test_sparse_out_of_range_index_is_skipped_like_minus_one():
+    g = torch.Generator().manual_seed(7)
+    kv, q = torch.randn(64, 576, generator=g), torch.randn(2, 3, 576, generator=g)
+    far = torch.tensor([[5, 64, 9, -7], [1000, 2, 3, 63]], dtype=torch.int32)
+    pad = torch.where((far < 0) | (far >= 64), -1, far)
+    a, la = ref.sparse_mla_prefill(q, kv, far, SCALE)
+    b, lb = ref.sparse_mla_prefill(q, kv, pad, SCALE)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    only = ref.sparse_mla_prefill(q[:1], kv, torch.tensor([[5, 9]], dtype=torch.int32), SCALE)
+    assert torch.allclose(a[:1], only[0], atol=1e-6)
 
 
 def test_float64_and_float32_agree():

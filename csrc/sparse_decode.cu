@@ -1,0 +1,86 @@
+// Sparse (DSA, DeepSeek-V3.2) MLA attention: every query token attends to the cache slots
+// its index list names. One kernel serves decode ([B, s_q, H] queries, indices [B, s_q,
+// topk]) and prefill ([T, H] queries = T groups of one token): each (batch entry, query
+// token) is one request of the split-KV plan, its keys the entries of its index list, its
+// rows the H heads (csrc/decode_mma.cuh, kSparse). Notes: docs/kernels/sparse_decode.md.
+#include "decode_mma.cuh"
+#include "ops.h"
+
+namespace mla_backend {
+namespace {
+
+using namespace dense;
+
+template <int kRows>
+void launch_sparse(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream) {
+  if (fp8_ds_mla) launch_mma_decode<__nv_bfloat16, kRows, KvFormat::kFp8DsMla, true>(p, stream);
+  else launch_mma_decode<__nv_bfloat16, kRows, KvFormat::k16, true>(p, stream);
+}
+
+}  // namespace
+
+void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
+                       const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
+                       at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse,
+                       int64_t num_ctas, int64_t rows_per_cta, double softmax_scale) {
+  // Shapes and dtypes were validated by mla_backend.ops; re-check what memory safety needs.
+  TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1 && q.scalar_type() == at::kBFloat16,
+              "sparse_mla_decode: bad q");
+  const bool ds = kv_cache.scalar_type() == at::kByte;
+  const int64_t tok_width = ds ? 656 : kDqk;
+  TORCH_CHECK((kv_cache.dim() == 3 || kv_cache.dim() == 2) && kv_cache.size(-1) == tok_width &&
+                  kv_cache.stride(-1) == 1 && (ds || kv_cache.scalar_type() == at::kBFloat16),
+              "sparse_mla_decode: bad kv_cache");
+  TORCH_CHECK(kv_cache.dim() == 2 || kv_cache.size(1) == kPage, "sparse_mla_decode: pages must hold 64 tokens");
+  const int64_t batch = q.size(0), s_q = q.size(1), heads = q.size(2);
+  TORCH_CHECK(indices.dim() == 3 && indices.size(0) == batch && indices.size(1) == s_q && indices.stride(2) == 1 &&
+                  indices.scalar_type() == at::kInt,
+              "sparse_mla_decode: bad indices");
+  TORCH_CHECK(!topk_length.has_value() || (topk_length->numel() == batch && topk_length->is_contiguous() &&
+                                           topk_length->scalar_type() == at::kInt),
+              "sparse_mla_decode: bad topk_length");
+  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "sparse_mla_decode: out/lse must be contiguous");
+  const int64_t groups = batch * s_q;
+  TORCH_CHECK(metadata.numel() == groups + 2 && partial_out.size(0) == 2 * num_ctas && partial_out.size(1) == heads &&
+                  partial_lse.size(0) == 2 * num_ctas,
+              "sparse_mla_decode: plan buffers do not match q");
+  if (groups == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  DecodeParams p;
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0); p.q_stride_s = q.stride(1); p.q_stride_h = q.stride(2);
+  p.kv = kv_cache.data_ptr();
+  if (kv_cache.dim() == 3) {  // paged: slot = block * 64 + offset
+    p.kv_stride_block = kv_cache.stride(0); p.kv_stride_tok = kv_cache.stride(1);
+    p.num_slots = kv_cache.size(0) * kPage;
+  } else {  // flat [S, width]: slot = row
+    p.kv_stride_block = kv_cache.stride(0) * kPage; p.kv_stride_tok = kv_cache.stride(0);
+    p.num_slots = kv_cache.size(0);
+  }
+  p.num_blocks = 0;
+  p.block_table = nullptr; p.bt_stride = 0; p.max_blocks = 0; p.seq_lens = nullptr;
+  p.meta = metadata.data_ptr<int>();
+  p.part_out = partial_out.data_ptr<float>();
+  p.part_lse = partial_lse.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.batch = int(groups); p.s_q = 1; p.heads = int(heads); p.rows = int(heads);
+  p.num_ctas = int(num_ctas);
+  p.kv_scale_ptr = nullptr; p.kv_scale_value = 1.f;
+  p.scale_log2 = float(softmax_scale * 1.4426950408889634);
+  p.causal = false;
+  p.indices = indices.data_ptr<int>();
+  p.idx_stride_b = indices.stride(0); p.idx_stride_s = indices.stride(1);
+  p.topk_length = topk_length.has_value() ? topk_length->data_ptr<int>() : nullptr;
+  p.topk = int(indices.size(2));
+  p.group_s_q = int(s_q);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  switch (rows_per_cta) {
+    case 16: launch_sparse<16>(p, ds, stream); break;
+    case 32: launch_sparse<32>(p, ds, stream); break;
+    case 64: launch_sparse<64>(p, ds, stream); break;
+    default: TORCH_CHECK(false, "sparse_mla_decode: rows_per_cta must be 16, 32 or 64, got ", rows_per_cta);
+  }
+}
+
+}  // namespace mla_backend

@@ -1,0 +1,237 @@
+"""sparse_mla_decode / sparse_mla_prefill on the GPU against the float32 reference: fresh
+random data each case, poisoned outputs, NaN in every cache slot no index names (NaN bytes
+in the fp8_ds_mla cache), random and clustered indices with duplicates, -1 padding and
+out-of-range slots, all-invalid rows, topk larger than the context, ragged topk_length
+(0, short, past topk), every head count and s_q claimed, strided cache views, CUDA graphs.
+
+Tolerances (docs/kernels/sparse_decode.md): bf16 cache as dense decode — the kernel's only
+roundings are P to bf16 before PV and the output to bf16: rel L2(out) < 8e-3, lse within
+2e-3 absolute. fp8_ds_mla: the kernel also rounds each dequantized key (e4m3 * tile scale)
+to bf16 before the MMAs, one more rounding of 2^-9 relative per key element, against a
+reference that keeps the float32 product: the same bounds hold (measured margins in the
+notes). Rows with no valid index: out exactly 0, lse -inf.
+"""
+
+import pytest
+import torch
+
+from mla_backend import formats, ops
+from mla_backend import reference as ref
+from tests.helpers import rel_l2
+
+pytestmark = pytest.mark.gpu
+TOL_OUT, TOL_LSE = 8e-3, 2e-3
+PAGE = 64
+_seed = [5000]
+
+
+def _gen():
+    _seed[0] += 1
+    return torch.Generator().manual_seed(_seed[0])
+
+
+def _cache(num_blocks: int, used: torch.Tensor, fmt: str, g) -> torch.Tensor:
+    """A paged cache [num_blocks, 64, 576] bf16 or [.., 656] uint8 whose unused slots are NaN
+    (bf16) or 0xFF bytes (NaN e4m3 values, NaN scales, NaN rope)."""
+    kv = (torch.randn(num_blocks, PAGE, 576, generator=g) * 2).to(torch.bfloat16)
+    if fmt == "bf16":
+        kv[~used] = float("nan")
+        return kv
+    packed = formats.quantize_fp8_ds_mla(kv[..., :512].contiguous(), kv[..., 512:].contiguous())
+    packed[~used] = 0xFF
+    return packed
+
+
+def _case(batch, s_q, heads, topk, fmt, *, num_blocks=40, clustered=False, lengths=None,
+          invalid_frac=0.1, g=None):
+    """q, cache, indices [B, s_q, topk] over a random set of used slots, topk_length."""
+    g = g or _gen()
+    num_slots = num_blocks * PAGE
+    used_slots = torch.randperm(num_slots, generator=g)[: num_slots // 2]
+    used = torch.zeros(num_slots, dtype=torch.bool)
+    used[used_slots] = True
+    if clustered:  # runs of consecutive used slots starting at random used slots
+        starts = used_slots[torch.randint(0, used_slots.numel(), (batch, s_q, topk // 16 + 1),
+                                          generator=g)]
+        runs = (starts.unsqueeze(-1) + torch.arange(16)).clamp_max(num_slots - 1)
+        idx = runs.reshape(batch, s_q, -1)[..., :topk]
+        used[idx.reshape(-1)] = True
+    else:  # random used slots, duplicates included
+        idx = used_slots[torch.randint(0, used_slots.numel(), (batch, s_q, topk), generator=g)]
+    idx = idx.to(torch.int32)
+    r = torch.rand(idx.shape, generator=g)
+    idx[r < invalid_frac] = -1
+    idx[(r >= invalid_frac) & (r < invalid_frac * 1.2)] = num_slots + 7   # out of range
+    idx[(r >= invalid_frac * 1.2) & (r < invalid_frac * 1.3)] = -5        # out of range
+    cache = _cache(num_blocks, used.view(num_blocks, PAGE), fmt, g)
+    q = torch.randn(batch, s_q, heads, 576, generator=g).to(torch.bfloat16)
+    length = None if lengths is None else torch.tensor(lengths, dtype=torch.int32).cuda()
+    return q.cuda(), cache.cuda(), idx.cuda(), length
+
+
+def _compare(got, lse, want, want_lse):
+    assert not got.isnan().any(), "unwritten or NaN output"
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(lse), empty) and bool((lse[empty] < 0).all())
+    assert torch.all(got[empty] == 0)
+    if (~empty).any():
+        assert rel_l2(got[~empty], want[~empty]) < TOL_OUT, rel_l2(got[~empty], want[~empty])
+        assert torch.allclose(lse[~empty], want_lse[~empty], atol=TOL_LSE)
+
+
+def _check_decode(batch, s_q, heads, topk, fmt, **kw):
+    q, cache, idx, length = _case(batch, s_q, heads, topk, fmt, **kw)
+    scale = 576 ** -0.5
+    plan = ops.plan_sparse_decode(batch, s_q, heads, topk, topk_length=length, device="cuda")
+    out = torch.full((batch, s_q, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got, lse = ops.sparse_mla_decode(q, cache, idx, plan, scale, topk_length=length, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    want, want_lse = ref.sparse_mla_decode(q, cache, idx, None, scale, length)
+    _compare(got, lse, want, want_lse)
+    return got, lse
+
+
+HEADS = [1, 8, 16, 20, 32, 64, 100, 128]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("s_q", [1, 2, 4])
+def test_decode_heads_and_query_lengths(fmt, heads, s_q):
+    _check_decode(3, s_q, heads, 512, fmt, lengths=[512, 77, 300])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("topk", [64, 2048])
+def test_decode_clustered_indices_and_ragged_lengths(fmt, topk):
+    # lengths 0 (empty), short, not a multiple of the 32-entry unit, past topk (clamped)
+    _check_decode(6, 2, 16, topk, fmt, clustered=True,
+                  lengths=[0, 5, topk - 3, topk + 100, 33, topk], num_blocks=80)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_decode_all_invalid_rows_and_topk_past_context(fmt):
+    q, cache, idx, _ = _case(4, 2, 32, 256, fmt, num_blocks=3, invalid_frac=0.0)
+    idx[0] = -1                          # every index of entry 0 invalid
+    idx[1, 1] = cache.shape[0] * PAGE    # one query row: all out of range
+    idx[2, :, 40:] = -1                  # topk 256 over a 40-token context: -1 padded
+    plan = ops.plan_sparse_decode(4, 2, 32, 256, device="cuda")
+    got, lse = ops.sparse_mla_decode(q, cache, idx, plan, 0.1)
+    want, want_lse = ref.sparse_mla_decode(q, cache, idx, None, 0.1)
+    _compare(got, lse, want, want_lse)
+    assert torch.isinf(lse[0]).all() and torch.isinf(lse[1, 1]).all()
+    assert torch.isfinite(lse[1, 0]).all() and torch.isfinite(lse[2]).all()
+
+
+def test_decode_large_batch_and_topk_16384():
+    _check_decode(2, 1, 16, 16384, "fp8_ds_mla", num_blocks=300, lengths=[16384, 9000])
+    _check_decode(128, 1, 64, 2048, "bf16", num_blocks=200)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_decode_strided_cache_and_strided_q_and_indices(fmt):
+    g = _gen()
+    q, cache, idx, length = _case(3, 2, 16, 128, fmt, lengths=[128, 40, 1], g=g)
+    big = torch.full((cache.shape[0], 3) + tuple(cache.shape[1:]), 0xFF if fmt != "bf16"
+                     else float("nan"), dtype=cache.dtype, device="cuda")
+    big[:, 1] = cache
+    view = big[:, 1]                                     # a layer's slice: stride(0) = 3 pages
+    q_big = torch.randn(3, 2, 16, 640, device="cuda").to(torch.bfloat16)
+    q_big[..., :576] = q
+    idx_big = torch.full((3, 4, 136), -1, dtype=torch.int32, device="cuda")
+    idx_big[:, ::2, :128] = idx
+    qv, iv = q_big[..., :576], idx_big[:, ::2, :128]
+    plan = ops.plan_sparse_decode(3, 2, 16, 128, topk_length=length)
+    got, lse = ops.sparse_mla_decode(qv, view, iv, plan, 0.07, topk_length=length)
+    want, want_lse = ref.sparse_mla_decode(q, cache, idx, None, 0.07, length)
+    _compare(got, lse, want, want_lse)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_prefill_flat_and_paged(fmt, heads):
+    g = _gen()
+    tokens, topk = 300, 2048
+    q, cache, idx, _ = _case(tokens, 1, heads, topk, fmt, num_blocks=60, g=g)
+    length = torch.randint(0, topk + 50, (tokens,), generator=g, dtype=torch.int32).cuda()
+    flat = cache.reshape(-1, cache.shape[-1])           # [S, 576] or [S, 656]
+    want, want_lse = ref.sparse_mla_prefill(q[:, 0], flat, idx[:, 0], 0.05, length)
+    for kv in (flat, cache):
+        got, lse = ops.sparse_mla_prefill(q[:, 0], kv, idx[:, 0], 0.05, length)
+        assert got.shape == (tokens, heads, 512) and lse.shape == (tokens, heads)
+        _compare(got, lse, want, want_lse)
+
+
+def test_dense_equivalent_matches_mla_decode():
+    """Indices naming every cached token of a request give dense non-causal decode."""
+    g = _gen()
+    lens = [700, 64, 1]
+    blocks = [11, 1, 1]
+    cache = torch.randn(sum(blocks), PAGE, 576, generator=g).to(torch.bfloat16).cuda()
+    table = torch.zeros(3, 11, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = torch.arange(start, start + n)
+        start += n
+    table = table.cuda()
+    topk = 704
+    pos = torch.arange(topk)
+    idx = (table.cpu()[:, pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
+    idx[pos.unsqueeze(0) >= torch.tensor(lens).unsqueeze(1)] = -1
+    q = torch.randn(3, 1, 32, 576, generator=g).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, dtype=torch.int32).cuda()
+    dense, dense_lse = ops.mla_decode(q, cache, table, seq, ops.plan_decode(seq, 1, 32), 0.04)
+    plan = ops.plan_sparse_decode(3, 1, 32, topk, device="cuda")
+    got, lse = ops.sparse_mla_decode(q, cache, idx.view(3, 1, topk).cuda(), plan, 0.04)
+    assert rel_l2(got, dense) < 4e-3 and torch.allclose(lse, dense_lse, atol=1e-3)
+
+
+def test_cuda_graph_with_workspace():
+    """Plan + attention captured once over workspace buffers, replayed on new q, indices and
+    lengths of two batch sizes in turn."""
+    heads, topk, num_blocks = 64, 256, 20
+    ws = ops.sparse_workspace(16, heads, device="cuda")
+    cache = _cache(num_blocks, torch.ones(num_blocks, PAGE, dtype=torch.bool), "fp8_ds_mla",
+                   _gen()).cuda()
+    graphs = {}
+    for batch in (4, 16):
+        st = {"q": torch.zeros(batch, 1, heads, 576, dtype=torch.bfloat16, device="cuda"),
+              "idx": torch.full((batch, 1, topk), -1, dtype=torch.int32, device="cuda"),
+              "len": torch.zeros(batch, dtype=torch.int32, device="cuda")}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph
+            plan = ops.plan_sparse_decode(batch, 1, heads, topk, topk_length=st["len"],
+                                          workspace=ws)
+            ops.sparse_mla_decode(st["q"], cache, st["idx"], plan, 0.06)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            plan = ops.plan_sparse_decode(batch, 1, heads, topk, topk_length=st["len"],
+                                          workspace=ws)
+            st["out"], st["lse"] = ops.sparse_mla_decode(st["q"], cache, st["idx"], plan, 0.06)
+        graphs[batch] = (graph, st)
+    for _ in range(2):
+        for batch, (graph, st) in graphs.items():
+            g = _gen()
+            st["q"].copy_(torch.randn(st["q"].shape, generator=g).to(torch.bfloat16))
+            st["idx"].copy_(torch.randint(-1, num_blocks * PAGE, st["idx"].shape, generator=g,
+                                          dtype=torch.int32))
+            st["len"].copy_(torch.randint(0, topk + 1, (batch,), generator=g, dtype=torch.int32))
+            graph.replay()
+            want, want_lse = ref.sparse_mla_decode(st["q"], cache, st["idx"], None, 0.06,
+                                                   st["len"])
+            _compare(st["out"], st["lse"], want, want_lse)
+
+
+def test_gpu_argument_errors():
+    q, cache, idx, length = _case(2, 1, 16, 64, "bf16", lengths=[64, 3])
+    plan = ops.plan_sparse_decode(2, 1, 16, 64, topk_length=length)
+    with pytest.raises(TypeError, match="fp8_ds_mla"):
+        ops.sparse_mla_decode(q, cache.view(torch.float8_e4m3fn)[..., :576], idx, plan, 0.1)
+    with pytest.raises(ValueError, match="topk_length must be the tensor the plan"):
+        ops.sparse_mla_decode(q, cache, idx, plan, 0.1, topk_length=length.clone())
+    with pytest.raises(ValueError, match="plan is for batch 2, s_q 1, H 16, topk 64"):
+        ops.sparse_mla_decode(q, cache, idx[..., :32], plan, 0.1)
+    with pytest.raises(TypeError, match="q must be bfloat16"):
+        ops.sparse_mla_decode(q.half(), cache, idx, plan, 0.1)
