@@ -19,10 +19,11 @@ from vllm.v1.attention.backend import AttentionBackend
 from . import support
 
 DENSE_BACKEND = "mla_backend.vllm.dense.MLADenseBackend"
+SPARSE_BACKEND = "mla_backend.vllm.sparse.MLASparseBackend"
 
 
 class MLABackendRouter(AttentionBackend):
-    """Delegates selection to the dense (or, later, sparse) mla_backend backend."""
+    """Delegates selection to the dense or the sparse mla_backend backend."""
 
     _selected: ClassVar[type[AttentionBackend] | None] = None
 
@@ -32,9 +33,9 @@ class MLABackendRouter(AttentionBackend):
 
     @classmethod
     def backend_for(cls, use_mla: bool, use_sparse: bool) -> type[AttentionBackend] | None:
-        if use_mla and not use_sparse:
-            return resolve_obj_by_qualname(DENSE_BACKEND)
-        return None
+        if not use_mla:
+            return None
+        return resolve_obj_by_qualname(SPARSE_BACKEND if use_sparse else DENSE_BACKEND)
 
     @classmethod
     def validate_configuration(cls, **selector_config) -> list[str]:
@@ -43,8 +44,6 @@ class MLABackendRouter(AttentionBackend):
         if not use_mla:
             return [support.NOT_MLA_REASON]
         backend = cls.backend_for(use_mla, use_sparse)
-        if backend is None:
-            return [support.SPARSE_REASON]
         reasons = backend.validate_configuration(**selector_config)
         if not reasons:
             cls._selected = backend

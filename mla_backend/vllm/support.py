@@ -95,7 +95,60 @@ def config_reason(vllm_config=None) -> str | None:
     return None
 
 
-SPARSE_REASON = (f"{NAME} does not implement DeepSeek-V3.2 sparse attention (DSA) yet; "
-                 f"for this model use --attention-backend FLASHMLA_SPARSE (or leave it unset)")
+# DeepSeek-V3.2 (sparse) caches: "auto" = bf16; fp8_ds_mla = 656-byte tokens (formats.py).
+SPARSE_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_ds_mla")
+
+
+def sparse_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                              block_size: int | None, device_capability) -> str | None:
+    """Why a DeepSeek-V3.2 sparse MLA layer cannot run on our kernels, or None."""
+    if head_size != HEAD_SIZE:
+        return (f"{NAME} runs MLA with a {HEAD_SIZE}-dim latent cache (kv_lora_rank 512 + "
+                f"qk_rope_head_dim 64); this model's is {head_size}")
+    if dtype != torch.bfloat16:
+        return (f"model dtype {dtype}: {NAME}'s sparse (DeepSeek-V3.2) kernels run bfloat16; "
+                f"use --dtype bfloat16")
+    kv = kv_cache_dtype or "auto"
+    if kv in ("fp8", "fp8_e4m3"):
+        return (f"kv_cache_dtype {kv}: for DeepSeek-V3.2 {NAME} reads vLLM's fp8_ds_mla cache "
+                f"(vLLM rewrites fp8 to fp8_ds_mla only for FLASHMLA_SPARSE); use "
+                f"--kv-cache-dtype fp8_ds_mla")
+    if kv not in SPARSE_KV_CACHE_DTYPES:
+        return (f"kv_cache_dtype {kv} is not supported by {NAME} for DeepSeek-V3.2; use one of "
+                f"{', '.join(SPARSE_KV_CACHE_DTYPES)}")
+    if block_size is not None and block_size % BLOCK_SIZE != 0:
+        return (f"--block-size {block_size}: {NAME} pages hold {BLOCK_SIZE} tokens; use a "
+                f"multiple of {BLOCK_SIZE} or leave --block-size unset")
+    if device_capability is not None and device_capability.major != 9:
+        return (f"{NAME} kernels run on Hopper GPUs (compute capability 9.x, sm_90a); this GPU "
+                f"is {device_capability.major}.{device_capability.minor}")
+    if not _extension.is_available():
+        return (f"{NAME}'s CUDA extension is not available ({_extension.load_error()}; "
+                f"install: {_extension.build_status()}); {_extension.BUILD_HINT}")
+    return sparse_config_reason()
+
+
+def sparse_config_reason(vllm_config=None) -> str | None:
+    """Engine-wide limits of the sparse path: heads per GPU, index_topk, no DCP."""
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or vllm_config.model_config is None:
+        return None
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        return (f"decode context parallelism with DeepSeek-V3.2: {NAME}'s sparse path does not "
+                f"support it yet; use --attention-backend FLASHMLA_SPARSE or DCP size 1")
+    heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+    if heads > ops.MAX_HEADS:
+        return (f"{heads} query heads per GPU (heads / tensor-parallel size): {NAME} runs at "
+                f"most {ops.MAX_HEADS}")
+    topk = getattr(vllm_config.model_config.hf_config, "index_topk", None)
+    if topk is not None and not (1 <= topk <= ops.MAX_TOPK and topk % 128 == 0):
+        return (f"index_topk {topk}: {NAME} supports multiples of 128 up to {ops.MAX_TOPK} "
+                f"(vLLM's index conversion works on 128-wide tiles)")
+    return None
+
+
 NOT_MLA_REASON = (f"{NAME} implements MLA attention only (DeepSeek-V2/V3/V3.2 and models built "
                   f"on them); this model's attention is not MLA: leave --attention-backend unset")

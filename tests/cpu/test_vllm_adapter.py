@@ -37,6 +37,7 @@ from plugin_entry import vllm_plugin  # noqa: E402
 
 HOPPER = DeviceCapability(9, 0)
 DENSE = "mla_backend.vllm.dense.MLADenseBackend"
+SPARSE = "mla_backend.vllm.sparse.MLASparseBackend"
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +95,6 @@ def test_selection_accepts_matching_16_bit_cache_dtypes(monkeypatch, extension_p
 
 
 @pytest.mark.parametrize("overrides, capability, reason", [
-    ({"use_sparse": True}, HOPPER, "does not implement DeepSeek-V3.2 sparse attention"),
     ({"use_mla": False, "head_size": 128}, HOPPER, "implements MLA attention only"),
     ({}, DeviceCapability(8, 0), r"run on Hopper GPUs .* this GPU is 8\.0"),
     ({}, DeviceCapability(10, 0), r"run on Hopper GPUs .* this GPU is 10\.0"),
@@ -288,3 +288,79 @@ def test_decode_shape_rejects_non_uniform_rows():
     assert decode_shape(4, 12) == (4, 3)
     with pytest.raises(RuntimeError, match="13 decode tokens over 4 requests"):
         decode_shape(4, 13)
+
+
+# ----------------------------------------------------------------------- sparse (V3.2)
+
+
+@pytest.mark.parametrize("kv", ["auto", "bfloat16", "fp8_ds_mla", None])
+@pytest.mark.parametrize("block_size", [None, 64])
+def test_sparse_selection_accepts_what_we_claim(monkeypatch, extension_present, kv, block_size):
+    assert _select(monkeypatch, use_sparse=True, kv_cache_dtype=kv,
+                   block_size=block_size) == SPARSE
+    from mla_backend.vllm.sparse import MLASparseBackend
+
+    assert MLASparseBackend.is_sparse() and MLASparseBackend.is_mla()
+    assert MLASparseBackend.get_kv_cache_shape(10, 64, 1, 576, "fp8_ds_mla") == (10, 64, 656)
+    assert MLASparseBackend.get_kv_cache_shape(10, 64, 1, 576, "auto") == (10, 64, 576)
+    # the same CUSTOM registration still gives the dense backend to a dense model
+    assert _select(monkeypatch) == DENSE
+
+
+@pytest.mark.parametrize("overrides, capability, reason", [
+    ({"kv_cache_dtype": "fp8"}, HOPPER, "reads vLLM's fp8_ds_mla cache .* use --kv-cache-dtype "
+                                        "fp8_ds_mla"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, HOPPER, "use --kv-cache-dtype fp8_ds_mla"),
+    ({"kv_cache_dtype": "float16"}, HOPPER, "kv_cache_dtype float16 is not supported by "
+                                           "MLA_BACKEND for DeepSeek-V3.2"),
+    ({"dtype": torch.float16}, HOPPER, "sparse .* kernels run bfloat16"),
+    ({}, DeviceCapability(10, 0), r"run on Hopper GPUs .* this GPU is 10\.0"),
+    ({"block_size": 16}, HOPPER, r"--block-size 16: MLA_BACKEND pages hold 64 tokens"),
+])
+def test_sparse_selection_rejects_with_our_reason(monkeypatch, extension_present, overrides,
+                                                  capability, reason):
+    with pytest.raises(ValueError, match="is not valid for this configuration") as err:
+        _select(monkeypatch, capability=capability, use_sparse=True, **overrides)
+    assert re.search(reason, str(err.value)), str(err.value)
+
+
+def test_sparse_config_limits(tmp_path):
+    v32 = {"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 256,
+           "index_n_heads": 4, "index_head_dim": 128}
+    assert support.sparse_config_reason(_vllm_config(_model_dir(tmp_path, **v32))) is None
+    odd = support.sparse_config_reason(
+        _vllm_config(_model_dir(tmp_path, **{**v32, "index_topk": 200})))
+    assert "index_topk 200" in odd and "multiples of 128" in odd
+    wide = support.sparse_config_reason(_vllm_config(_model_dir(tmp_path, heads=256, **v32)))
+    assert "256 query heads per GPU" in wide
+
+
+def test_request_of_token_maps_mixed_batches():
+    from mla_backend.vllm.sparse import request_of_token
+
+    # two decodes, a 3-token prefill, a 1-token prefill; then graph padding (empty requests)
+    qsl = torch.tensor([0, 1, 2, 5, 6, 6, 6], dtype=torch.int32)
+    assert request_of_token(qsl).tolist() == [0, 1, 2, 2, 2, 3]
+
+
+def test_sparse_builder_plans_every_token(tmp_path, monkeypatch):
+    from mla_backend.vllm import sparse
+
+    calls = []
+    monkeypatch.setattr(ops, "sparse_workspace",
+                        lambda max_groups, heads, *, device: ("ws", max_groups, heads))
+    monkeypatch.setattr(ops, "plan_sparse_decode",
+                        lambda batch, s_q, heads, topk, *, workspace: calls.append(
+                            (batch, s_q, heads, topk, workspace)) or "plan")
+    v32 = {"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 256,
+           "index_n_heads": 4, "index_head_dim": 128}
+    cfg = _vllm_config(_model_dir(tmp_path, **v32))
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    b = sparse.MLASparseMetadataBuilder(spec, ["l0"], cfg, torch.device("cpu"))
+    assert b.workspace == ("ws", 4096, 16) and b.reorder_batch_threshold == 1
+    m = b.build(0, _common([1, 1, 5], [10, 70, 5]))
+    assert calls == [(7, 1, 16, 256, ("ws", 4096, 16))] and m.plan == "plan"
+    assert m.num_actual_tokens == 7
+    assert m.req_id_per_token.tolist() == [0, 1, 2, 2, 2, 2, 2]
+    assert b.req_id_per_token[7:].eq(0).all()
+    assert m.block_table[:, 0].tolist() == [7, 15, 23]
