@@ -33,15 +33,20 @@ ARCHS = {
     "v2": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
            "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
            "routed_scaling_factor": 1.0},
+    # DeepSeek-V3.2 (sparse attention, DSA): V3 plus a lightning indexer per layer.
+    "v32": {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "index_n_heads": 64, "index_head_dim": 128},
 }
 
 
 def make_config(*, arch: str = "v3", heads: int = 16, layers: int = 2, hidden: int = 512,
                 vocab: int = 2048, q_lora_rank: int | None = 256, intermediate: int = 1024,
                 experts: int = 2, experts_per_token: int = 2, moe_intermediate: int = 256,
-                max_positions: int = 8192) -> dict:
+                max_positions: int = 8192, index_topk: int = 256) -> dict:
     """A DeepSeek config with the real MLA dims (latent 512, rope 64, nope 128, v 128): the
-    last layer is MoE (vLLM's DeepSeek model needs one), the others dense."""
+    last layer is MoE (vLLM's DeepSeek model needs one), the others dense. arch "v32" adds
+    the indexer (64 heads of 128, `index_topk` keys per query token)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}")
     if layers < 1:
@@ -63,6 +68,8 @@ def make_config(*, arch: str = "v3", heads: int = 16, layers: int = 2, hidden: i
         "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
         "torch_dtype": "bfloat16",
     })
+    if arch == "v32":
+        cfg["index_topk"] = index_topk
     return cfg
 
 
@@ -93,6 +100,13 @@ def _shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes[a + "kv_a_layernorm.weight"] = (kv_lora,)
         shapes[a + "kv_b_proj.weight"] = (heads * (nope + v), kv_lora)
         shapes[a + "o_proj.weight"] = (h, heads * v)
+        if "index_topk" in cfg:  # the lightning indexer (vLLM fuses wk + weights_proj)
+            ix, ih, idim = a + "indexer.", cfg["index_n_heads"], cfg["index_head_dim"]
+            shapes[ix + "wq_b.weight"] = (ih * idim, q_lora)
+            shapes[ix + "wk.weight"] = (idim, h)
+            shapes[ix + "weights_proj.weight"] = (ih, h)
+            shapes[ix + "k_norm.weight"] = (idim,)
+            shapes[ix + "k_norm.bias"] = (idim,)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         m = p + "mlp."
@@ -124,7 +138,7 @@ def write_checkpoint(path: str, *, seed: int = 0, attention_gain: float = 2.0,
     for name, shape in _shapes(cfg).items():
         if name.endswith("norm.weight"):
             t = torch.ones(shape)
-        elif name.endswith("e_score_correction_bias"):
+        elif name.endswith(("e_score_correction_bias", "norm.bias")):
             t = torch.zeros(shape)
         elif name == "model.embed_tokens.weight":
             t = (torch.rand(shape, generator=gen) * 2 - 1) * math.sqrt(3.0)

@@ -83,3 +83,29 @@ def test_attention_is_not_uniform(tmp_path):
     assert 1.0 < spread < 4.0, spread
     top = torch.softmax(logits, -1).amax(-1).mean().item()
     assert top > 5 / 64, top  # far above the uniform 1/64
+
+
+def test_v32_checkpoint_has_the_indexer_vllm_loads(tmp_path):
+    """DeepSeek-V3.2: the V3 tensors plus each layer's indexer under the names vLLM's loader
+    maps (wq_b, wk + weights_proj fused into wk_weights_proj, k_norm with a bias), and a
+    config vLLM reads as sparse MLA."""
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig
+
+    tiny_model.write_checkpoint(str(tmp_path), arch="v32", heads=16, layers=2, index_topk=2048)
+    tensors = safetensors.load_file(str(tmp_path / "model.safetensors"))
+    v3 = tiny_model._shapes(tiny_model.make_config(arch="v3", heads=16, layers=2))
+    extra = {k: tuple(v.shape) for k, v in tensors.items() if k not in v3}
+    for i in range(2):
+        ix = f"model.layers.{i}.self_attn.indexer."
+        assert extra.pop(ix + "wq_b.weight") == (64 * 128, 256)
+        assert extra.pop(ix + "wk.weight") == (128, 512)
+        assert extra.pop(ix + "weights_proj.weight") == (64, 512)
+        assert extra.pop(ix + "k_norm.weight") == (128,)
+        assert torch.equal(tensors[ix + "k_norm.bias"], torch.zeros(128, dtype=torch.bfloat16))
+        extra.pop(ix + "k_norm.bias")
+    assert extra == {}
+    mc = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=4096,
+                     dtype="bfloat16")
+    assert mc.use_mla and mc.hf_config.index_topk == 2048
+    assert mc.architecture == "DeepseekV32ForCausalLM"
