@@ -369,6 +369,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
 MAX_TOPK = 16384
 FP8_DS_MLA_BYTES = 656
+MAX_SPARSE_GROUPS = 65535  # query tokens (batch * s_q) per call: the combine grid's y-dim
 
 
 def _sparse_tile(num_heads: int) -> tuple[int, int]:
@@ -468,6 +469,9 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
             raise ValueError(f"topk_length is on {topk_length.device}, not on device {device}")
         device = topk_length.device
     groups = batch * num_q_tokens_per_req
+    if groups > MAX_SPARSE_GROUPS:
+        raise ValueError(f"batch * num_q_tokens_per_req = {groups} query tokens; one sparse call "
+                         f"takes at most {MAX_SPARSE_GROUPS} (split the batch)")
     if workspace is not None:
         ws = workspace
         if not isinstance(ws, SparseWorkspace):

@@ -204,6 +204,8 @@ def test_plan_sparse_decode_rejects():
         ops.plan_sparse_decode(2, 1, 16, 64)
     with pytest.raises(ValueError, match="device must be a CUDA device"):
         ops.plan_sparse_decode(2, 1, 16, 64, device="cpu")
+    with pytest.raises(ValueError, match="70000 query tokens; one sparse call takes at most 65535"):
+        ops.plan_sparse_decode(35000, 2, 16, 64, device="cpu")
     with pytest.raises(ValueError, match="max_groups must be a positive int"):
         ops.sparse_workspace(0, 16, device="cpu")
 
