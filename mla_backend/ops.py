@@ -439,6 +439,14 @@ def sparse_workspace(max_groups: int, num_heads: int, *, device: torch.device | 
         partial_lse=torch.empty(2 * ctas * num_heads, dtype=torch.float32, device=device))
 
 
+def _device_of(device: torch.device | str) -> torch.device:
+    """torch.device with its index ("cuda" -> the current CUDA device), for comparisons."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _check_sparse_heads(num_heads) -> None:
     if not (isinstance(num_heads, int) and 1 <= num_heads <= MAX_HEADS):
         raise ValueError(f"num_heads must be an int in [1, {MAX_HEADS}]; got {num_heads!r}")
@@ -465,7 +473,7 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
                  and topk_length.is_contiguous(), "topk_length", topk_length,
                  f"must be contiguous int32 [batch={batch}]")
         _require_cuda({"topk_length": topk_length}, topk_length.device)
-        if device is not None and torch.device(device) != topk_length.device:
+        if device is not None and _device_of(device) != topk_length.device:
             raise ValueError(f"topk_length is on {topk_length.device}, not on device {device}")
         device = topk_length.device
     groups = batch * num_q_tokens_per_req
@@ -480,7 +488,7 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
         if groups > ws.max_groups or num_heads != ws.num_heads:
             raise ValueError(f"workspace holds plans of batch * s_q <= {ws.max_groups} and H "
                              f"{ws.num_heads}; this plan has batch * s_q = {groups}, H {num_heads}")
-        if device is not None and torch.device(device) != ws.metadata.device:
+        if device is not None and _device_of(device) != ws.metadata.device:
             raise ValueError(f"workspace is on {ws.metadata.device} but the plan is for {device}")
     else:
         if device is None:
