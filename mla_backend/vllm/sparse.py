@@ -77,9 +77,19 @@ class MLASparseBackend(AttentionBackend):
         return support.sparse_combination_reason(head_size, dtype, kv_cache_dtype, block_size,
                                                  device_capability)
 
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    # The cache dtype our sparse layers were built with (set by MLASparseImpl). vLLM 0.25's
+    # model runner passes cache_dtype_str="auto" to get_kv_cache_shape for every MLA layer
+    # (MLAAttentionSpec leaves kv_quant_mode at NONE) while it sizes the pages from the
+    # spec's cache_dtype_str: with fp8_ds_mla the 656-byte pages were then viewed as 576
+    # ("shape '[N, 64, 576]' is invalid"), which also stops FLASHMLA_SPARSE. Layers are built
+    # before the cache is allocated, so the shape can follow what the layers hold.
+    layer_cache_dtype: ClassVar[str | None] = None
+
+    @classmethod
+    def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        if cache_dtype_str == "auto" and cls.layer_cache_dtype == "fp8_ds_mla":
+            cache_dtype_str = cls.layer_cache_dtype
         if cache_dtype_str == "fp8_ds_mla":  # 656 bytes per token (mla_backend.formats)
             return (num_blocks, block_size, ops.FP8_DS_MLA_BYTES)
         return (num_blocks, block_size, head_size)
@@ -152,6 +162,7 @@ class MLASparseImpl(SparseMLAAttentionImpl[MLASparseMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        MLASparseBackend.layer_cache_dtype = kv_cache_dtype
         self.kv_lora_rank = mla_args["kv_lora_rank"]
         # layers that reuse an earlier layer's top-k (IndexCache) have no indexer
         self.topk_indices_buffer = (indexer.topk_indices_buffer if indexer is not None

@@ -364,3 +364,17 @@ def test_sparse_builder_plans_every_token(tmp_path, monkeypatch):
     assert m.req_id_per_token.tolist() == [0, 1, 2, 2, 2, 2, 2]
     assert b.req_id_per_token[7:].eq(0).all()
     assert m.block_table[:, 0].tolist() == [7, 15, 23]
+
+
+def test_sparse_cache_shape_follows_the_layers_fp8_ds_mla(monkeypatch):
+    """vLLM 0.25 asks MLA backends for the cache shape with cache_dtype_str "auto" even for
+    an fp8_ds_mla cache (pages sized 656 B/token): the shape follows the layers' dtype."""
+    from mla_backend.vllm.sparse import MLASparseBackend
+
+    monkeypatch.setattr(MLASparseBackend, "layer_cache_dtype", None)
+    assert MLASparseBackend.get_kv_cache_shape(8, 64, 1, 576, "auto") == (8, 64, 576)
+    monkeypatch.setattr(MLASparseBackend, "layer_cache_dtype", "fp8_ds_mla")
+    assert MLASparseBackend.get_kv_cache_shape(8, 64, 1, 576, "auto") == (8, 64, 656)
+    assert MLASparseBackend.get_kv_cache_shape(8, 64, 1, 576, "fp8_ds_mla") == (8, 64, 656)
+    monkeypatch.setattr(MLASparseBackend, "layer_cache_dtype", "bfloat16")
+    assert MLASparseBackend.get_kv_cache_shape(8, 64, 1, 576, "auto") == (8, 64, 576)
