@@ -1,4 +1,5 @@
-"""Render a results file as a markdown table and a plot (µs vs mean seq_len per H) for docs/.
+"""Render a results file as a markdown table (any bench's config columns) and, for dense
+decode, a plot (µs vs mean seq_len per H) for docs/.
 
     python -m bench.report bench/results/dense_decode-h200-2026-11-21.json \
         --png docs/img/dense_decode-h200-2026-11-21.png > table.md
@@ -18,13 +19,18 @@ def table(results: dict) -> str:
         for k in row["us"]:
             if k not in kernels:
                 kernels.append(k)
-    head = ["H", "s_q", "batch", "seq_len"] + [f"{k} µs" for k in kernels] + [
+    config_keys: list[str] = []  # the config's own keys (dense: H, s_q, batch, seq_len, dtype)
+    for row in results["rows"]:
+        for k in row["config"]:
+            if k not in config_keys:
+                config_keys.append(k)
+    head = config_keys + [f"{k} µs" for k in kernels] + [
         "ours TF/s", "ours GB/s", "ours / best peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     speedups = []
     for row in results["rows"]:
         c = row["config"]
-        cells = [str(c["H"]), str(c["s_q"]), str(c["batch"]), str(c["seq_len"])]
+        cells = [str(c.get(k, "")) for k in config_keys]
         cells += [f"{row['us'][k]:.1f}" if k in row["us"] else "-" for k in kernels]
         sp = row.get("speedup_vs_best_peer")
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
