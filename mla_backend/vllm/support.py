@@ -34,17 +34,8 @@ def dense_kv_cache_reason(kv_cache_dtype: str | None, dtype: torch.dtype) -> str
     return None
 
 
-def dense_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
-                             block_size: int | None, device_capability) -> str | None:
-    """Why a dense MLA layer cannot run on our kernels, or None."""
-    if head_size != HEAD_SIZE:
-        return (f"{NAME} runs MLA with a {HEAD_SIZE}-dim latent cache (kv_lora_rank 512 + "
-                f"qk_rope_head_dim 64); this model's is {head_size}")
-    if dtype not in MODEL_DTYPES:
-        return f"model dtype {dtype} is not supported by {NAME}; use --dtype bfloat16 or float16"
-    reason = dense_kv_cache_reason(kv_cache_dtype, dtype)
-    if reason:
-        return reason
+def _platform_reason(block_size: int | None, device_capability) -> str | None:
+    """Block size, GPU and extension: the same for the dense and the sparse backend."""
     if block_size is not None and block_size % BLOCK_SIZE != 0:
         return (f"--block-size {block_size}: {NAME} pages hold {BLOCK_SIZE} tokens; use a "
                 f"multiple of {BLOCK_SIZE} or leave --block-size unset")
@@ -54,7 +45,27 @@ def dense_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype:
     if not _extension.is_available():
         return (f"{NAME}'s CUDA extension is not available ({_extension.load_error()}; "
                 f"install: {_extension.build_status()}); {_extension.BUILD_HINT}")
-    return config_reason()
+    return None
+
+
+def _head_size_reason(head_size: int) -> str | None:
+    if head_size != HEAD_SIZE:
+        return (f"{NAME} runs MLA with a {HEAD_SIZE}-dim latent cache (kv_lora_rank 512 + "
+                f"qk_rope_head_dim 64); this model's is {head_size}")
+    return None
+
+
+def dense_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                             block_size: int | None, device_capability) -> str | None:
+    """Why a dense MLA layer cannot run on our kernels, or None."""
+    if _head_size_reason(head_size):
+        return _head_size_reason(head_size)
+    if dtype not in MODEL_DTYPES:
+        return f"model dtype {dtype} is not supported by {NAME}; use --dtype bfloat16 or float16"
+    reason = dense_kv_cache_reason(kv_cache_dtype, dtype)
+    if reason:
+        return reason
+    return _platform_reason(block_size, device_capability) or config_reason()
 
 
 def max_decode_query_len(vllm_config) -> int:
@@ -102,9 +113,8 @@ SPARSE_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_ds_mla")
 def sparse_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
                               block_size: int | None, device_capability) -> str | None:
     """Why a DeepSeek-V3.2 sparse MLA layer cannot run on our kernels, or None."""
-    if head_size != HEAD_SIZE:
-        return (f"{NAME} runs MLA with a {HEAD_SIZE}-dim latent cache (kv_lora_rank 512 + "
-                f"qk_rope_head_dim 64); this model's is {head_size}")
+    if _head_size_reason(head_size):
+        return _head_size_reason(head_size)
     if dtype != torch.bfloat16:
         return (f"model dtype {dtype}: {NAME}'s sparse (DeepSeek-V3.2) kernels run bfloat16; "
                 f"use --dtype bfloat16")
@@ -116,16 +126,7 @@ def sparse_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype
     if kv not in SPARSE_KV_CACHE_DTYPES:
         return (f"kv_cache_dtype {kv} is not supported by {NAME} for DeepSeek-V3.2; use one of "
                 f"{', '.join(SPARSE_KV_CACHE_DTYPES)}")
-    if block_size is not None and block_size % BLOCK_SIZE != 0:
-        return (f"--block-size {block_size}: {NAME} pages hold {BLOCK_SIZE} tokens; use a "
-                f"multiple of {BLOCK_SIZE} or leave --block-size unset")
-    if device_capability is not None and device_capability.major != 9:
-        return (f"{NAME} kernels run on Hopper GPUs (compute capability 9.x, sm_90a); this GPU "
-                f"is {device_capability.major}.{device_capability.minor}")
-    if not _extension.is_available():
-        return (f"{NAME}'s CUDA extension is not available ({_extension.load_error()}; "
-                f"install: {_extension.build_status()}); {_extension.BUILD_HINT}")
-    return sparse_config_reason()
+    return _platform_reason(block_size, device_capability) or sparse_config_reason()
 
 
 def sparse_config_reason(vllm_config=None) -> str | None:
