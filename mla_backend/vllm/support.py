@@ -130,7 +130,8 @@ def sparse_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype
 
 
 def sparse_config_reason(vllm_config=None) -> str | None:
-    """Engine-wide limits of the sparse path: heads per GPU, index_topk, no DCP."""
+    """Engine-wide limits of the sparse path: heads per GPU, tokens per step, index_topk,
+    no DCP."""
     if vllm_config is None:
         from vllm.config import get_current_vllm_config_or_none
 
@@ -144,6 +145,11 @@ def sparse_config_reason(vllm_config=None) -> str | None:
     if heads > ops.MAX_HEADS:
         return (f"{heads} query heads per GPU (heads / tensor-parallel size): {NAME} runs at "
                 f"most {ops.MAX_HEADS}")
+    tokens = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None)
+    if tokens is not None and tokens > ops.MAX_SPARSE_GROUPS:
+        return (f"max_num_batched_tokens {tokens}: {NAME}'s sparse attention takes at most "
+                f"{ops.MAX_SPARSE_GROUPS} tokens per step; use --max-num-batched-tokens "
+                f"{ops.MAX_SPARSE_GROUPS} or less")
     topk = getattr(vllm_config.model_config.hf_config, "index_topk", None)
     if topk is not None and not (1 <= topk <= ops.MAX_TOPK and topk % 128 == 0):
         return (f"index_topk {topk}: {NAME} supports multiples of 128 up to {ops.MAX_TOPK} "

@@ -333,6 +333,9 @@ def test_sparse_config_limits(tmp_path):
     assert "index_topk 200" in odd and "multiples of 128" in odd
     wide = support.sparse_config_reason(_vllm_config(_model_dir(tmp_path, heads=256, **v32)))
     assert "256 query heads per GPU" in wide
+    big = _vllm_config(_model_dir(tmp_path, **v32))
+    big.scheduler_config.max_num_batched_tokens = 70000
+    assert "max_num_batched_tokens 70000" in support.sparse_config_reason(big)
 
 
 def test_request_of_token_maps_mixed_batches():
