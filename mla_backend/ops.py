@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _extension
+from . import _extension, formats
 
 D_QK = 576
 D_V = 512
@@ -131,13 +131,17 @@ def _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype) 
     return seq_lens
 
 
+def _check_heads(num_heads) -> None:
+    if not (isinstance(num_heads, int) and 1 <= num_heads <= MAX_HEADS):
+        raise ValueError(f"num_heads must be an int in [1, {MAX_HEADS}]; got {num_heads!r}")
+
+
 def _check_plan_sizes(num_q_tokens_per_req, num_heads, kv_cache_dtype) -> None:
     if not (isinstance(num_q_tokens_per_req, int)
             and 1 <= num_q_tokens_per_req <= MAX_Q_TOKENS_PER_REQ):
         raise ValueError(f"num_q_tokens_per_req must be an int in [1, {MAX_Q_TOKENS_PER_REQ}]; "
                          f"got {num_q_tokens_per_req!r}")
-    if not (isinstance(num_heads, int) and 1 <= num_heads <= MAX_HEADS):
-        raise ValueError(f"num_heads must be an int in [1, {MAX_HEADS}]; got {num_heads!r}")
+    _check_heads(num_heads)
     if kv_cache_dtype not in (None, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         raise TypeError(f"kv_cache_dtype must be None, bfloat16, float16 or float8_e4m3fn; "
                         f"got {kv_cache_dtype}")
@@ -368,7 +372,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 # --------------------------------------------------------------------------- sparse (DSA)
 
 MAX_TOPK = 16384
-FP8_DS_MLA_BYTES = 656
+FP8_DS_MLA_BYTES = formats.FP8_DS_MLA_BYTES
+SPARSE_UNIT_TOKENS = 32  # index-list entries per work unit (the mma.sync kernel's unit)
 MAX_SPARSE_GROUPS = 65535  # query tokens (batch * s_q) per call: the combine grid's y-dim
 
 
@@ -426,7 +431,7 @@ def sparse_workspace(max_groups: int, num_heads: int, *, device: torch.device | 
     35 MB at H = 128 on a 132-SM GPU)."""
     if not (isinstance(max_groups, int) and max_groups >= 1):
         raise ValueError(f"max_groups must be a positive int; got {max_groups!r}")
-    _check_sparse_heads(num_heads)
+    _check_heads(num_heads)
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device; got {device}")
@@ -447,11 +452,6 @@ def _device_of(device: torch.device | str) -> torch.device:
     return device
 
 
-def _check_sparse_heads(num_heads) -> None:
-    if not (isinstance(num_heads, int) and 1 <= num_heads <= MAX_HEADS):
-        raise ValueError(f"num_heads must be an int in [1, {MAX_HEADS}]; got {num_heads!r}")
-
-
 def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, topk: int, *,
                        topk_length: torch.Tensor | None = None,
                        device: torch.device | str | None = None, num_sms: int | None = None,
@@ -460,11 +460,12 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
     one request per (entry, query token) with min(topk_length[b], topk) keys (topk_length
     int32 [batch] on the GPU, read there: no host sync), or topk keys. Buffers from
     `workspace` (sparse_workspace) or fresh ones on `device` (default: topk_length's)."""
-    for name, v in (("batch", batch), ("num_q_tokens_per_req", num_q_tokens_per_req)):
-        if not (isinstance(v, int) and v >= (0 if name == "batch" else 1)):
-            raise ValueError(f"{name} must be a {'non-negative' if name == 'batch' else 'positive'}"
-                             f" int; got {v!r}")
-    _check_sparse_heads(num_heads)
+    if not (isinstance(batch, int) and batch >= 0):
+        raise ValueError(f"batch must be a non-negative int; got {batch!r}")
+    if not (isinstance(num_q_tokens_per_req, int) and num_q_tokens_per_req >= 1):
+        raise ValueError(f"num_q_tokens_per_req must be a positive int; got "
+                         f"{num_q_tokens_per_req!r}")
+    _check_heads(num_heads)
     if not (isinstance(topk, int) and 1 <= topk <= MAX_TOPK):
         raise ValueError(f"topk must be an int in [1, {MAX_TOPK}]; got {topk!r}")
     if topk_length is not None:
@@ -503,7 +504,7 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
             2 * num_ctas, num_heads, D_V),
         partial_lse=ws.partial_lse[:2 * num_ctas * num_heads].view(2 * num_ctas, num_heads))
     _extension.require("plan_sparse_decode")
-    min_units = -(-MIN_TOKENS_PER_CTA // 32)
+    min_units = -(-MIN_TOKENS_PER_CTA // SPARSE_UNIT_TOKENS)
     torch.ops.mla_backend.plan_sparse_decode(topk_length, plan.metadata, num_q_tokens_per_req,
                                              topk, num_ctas, min_units)
     return plan
@@ -575,6 +576,9 @@ def _check_sparse_args(q, kv_cache, indices, plan, softmax_scale, topk_length, o
         tensors["topk_length"] = topk_length
     if out is not None:
         out = _require_tensor("out", out)
+        _require(out.shape == (batch, s_q, heads, D_V) and out.dtype == q.dtype
+                 and out.is_contiguous(), "out", out,
+                 f"must be contiguous {q.dtype} [{batch}, {s_q}, {heads}, {D_V}]")
         tensors["out"] = out
     _require_cuda(tensors, q.device)
 
@@ -607,10 +611,6 @@ def _run_sparse(q, kv, indices, plan, softmax_scale, topk_length, out):
     batch, s_q, heads, _ = q.shape
     if out is None:
         out = torch.empty(batch, s_q, heads, D_V, dtype=q.dtype, device=q.device)
-    else:
-        _require(out.shape == (batch, s_q, heads, D_V) and out.dtype == q.dtype
-                 and out.is_contiguous(), "out", out,
-                 f"must be contiguous {q.dtype} [{batch}, {s_q}, {heads}, {D_V}]")
     lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
     torch.ops.mla_backend.sparse_mla_decode(
         q, kv, indices, topk_length, plan.metadata, plan.partial_out, plan.partial_lse, out,

@@ -23,7 +23,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     QueryLenSupport,
 )
 from vllm.utils.torch_utils import is_quantized_kv_cache
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport
 
 from .. import ops
 from . import support
@@ -32,13 +32,9 @@ from . import support
 logger = logging.getLogger("vllm.mla_backend")
 
 
-class MLADenseBackend(MLACommonBackend):
+class MLADenseBackend(support.HopperMLABackendMixin, MLACommonBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = list(support.MODEL_DTYPES)
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(support.DENSE_KV_CACHE_DTYPES)
-
-    @staticmethod
-    def get_name() -> str:
-        return support.NAME
 
     @staticmethod
     def get_builder_cls() -> type[MLADenseMetadataBuilder]:
@@ -49,22 +45,10 @@ class MLADenseBackend(MLACommonBackend):
         return MLADenseImpl
 
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int]:
-        return [support.BLOCK_SIZE]
-
-    @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
         # The kernel indexes blocks by stride(0) (its TMA map takes the cache's own strides),
         # so a layer's slice of a cross-layer buffer [blocks, layers, 64, 576] is fine.
         return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return [support.HEAD_SIZE]
-
-    @classmethod
-    def supports_compute_capability(cls, capability) -> bool:
-        return capability.major == 9
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
@@ -140,14 +124,7 @@ class MLADenseImpl(MLACommonImpl[MLADenseMetadata]):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                          kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, **mla_args)
-        unsupported = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
-                       "logits_soft_cap": logits_soft_cap}
-        used = [name for name, value in unsupported.items() if value]
-        if used:
-            raise ValueError(f"{support.NAME} does not support {', '.join(used)} in MLA layers")
-        if attn_type != AttentionType.DECODER:
-            raise ValueError(f"{support.NAME} supports decoder self-attention only; got "
-                             f"attn_type {attn_type}")
+        support.check_layer_args(alibi_slopes, sliding_window, logits_soft_cap, attn_type)
         # The fp8 kernel reads bf16/fp16 q and dequantizes the e4m3 cache itself.
         self.supports_quant_query_input = False
         self.kv_fp8 = is_quantized_kv_cache(kv_cache_dtype)

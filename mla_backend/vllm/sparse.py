@@ -24,7 +24,6 @@ from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionMetadata,
     AttentionMetadataBuilder,
-    AttentionType,
     SparseMLAAttentionImpl,
 )
 from vllm.v1.attention.backends.mla.sparse_utils import triton_convert_req_index_to_global_index
@@ -35,13 +34,9 @@ from . import support
 logger = logging.getLogger("vllm.mla_backend")
 
 
-class MLASparseBackend(AttentionBackend):
+class MLASparseBackend(support.HopperMLABackendMixin, AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(support.SPARSE_KV_CACHE_DTYPES)
-
-    @staticmethod
-    def get_name() -> str:
-        return support.NAME
 
     @staticmethod
     def get_builder_cls() -> type[MLASparseMetadataBuilder]:
@@ -51,14 +46,6 @@ class MLASparseBackend(AttentionBackend):
     def get_impl_cls() -> type[MLASparseImpl]:
         return MLASparseImpl
 
-    @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int]:
-        return [support.BLOCK_SIZE]
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return [support.HEAD_SIZE]
-
     @classmethod
     def is_mla(cls) -> bool:
         return True
@@ -66,10 +53,6 @@ class MLASparseBackend(AttentionBackend):
     @classmethod
     def is_sparse(cls) -> bool:
         return True
-
-    @classmethod
-    def supports_compute_capability(cls, capability) -> bool:
-        return capability.major == 9
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
@@ -149,14 +132,7 @@ class MLASparseImpl(SparseMLAAttentionImpl[MLASparseMetadata]):
                  kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
                  topk_indices_buffer: torch.Tensor | None = None, indexer=None,
                  **mla_args) -> None:
-        unsupported = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
-                       "logits_soft_cap": logits_soft_cap}
-        used = [name for name, value in unsupported.items() if value]
-        if used:
-            raise ValueError(f"{support.NAME} does not support {', '.join(used)} in MLA layers")
-        if attn_type != AttentionType.DECODER:
-            raise ValueError(f"{support.NAME} supports decoder self-attention only; got "
-                             f"attn_type {attn_type}")
+        support.check_layer_args(alibi_slopes, sliding_window, logits_soft_cap, attn_type)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

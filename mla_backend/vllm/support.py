@@ -159,3 +159,38 @@ def sparse_config_reason(vllm_config=None) -> str | None:
 
 NOT_MLA_REASON = (f"{NAME} implements MLA attention only (DeepSeek-V2/V3/V3.2 and models built "
                   f"on them); this model's attention is not MLA: leave --attention-backend unset")
+
+
+class HopperMLABackendMixin:
+    """What the dense and the sparse backend classes answer alike (put it before vLLM's
+    base class): our name, 64-token pages, the 576-dim latent, Hopper."""
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return [BLOCK_SIZE]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [HEAD_SIZE]
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return capability.major == 9
+
+
+def check_layer_args(alibi_slopes, sliding_window, logits_soft_cap, attn_type) -> None:
+    """An MLA layer our impls can run: decoder self-attention without alibi, sliding window
+    or logits soft-cap (DeepSeek models use none); ValueError naming what is not."""
+    from vllm.v1.attention.backend import AttentionType
+
+    unsupported = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
+                   "logits_soft_cap": logits_soft_cap}
+    used = [name for name, value in unsupported.items() if value]
+    if used:
+        raise ValueError(f"{NAME} does not support {', '.join(used)} in MLA layers")
+    if attn_type != AttentionType.DECODER:
+        raise ValueError(f"{NAME} supports decoder self-attention only; got attn_type {attn_type}")
