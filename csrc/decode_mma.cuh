@@ -12,8 +12,6 @@
 // the combine kernel merges by lse.
 #pragma once
 
-#include <cuda_fp8.h>
-
 #include "dense_decode_common.cuh"
 
 namespace mla_backend {
@@ -37,22 +35,12 @@ constexpr int kPRow = kUnit + 8;  // padded P row: 80 B = 5 chunks
 // kv_scale is folded into the softmax scale (S = kv_scale * q.k8) and into the output
 // (O = kv_scale * P.v8) instead. kFp8DsMla: value * tile scale is rounded once to bf16 (the
 // scale differs per 128 columns of each key, so it cannot leave the tile); rope is copied.
-// 16 e4m3 values (one 16-byte chunk) -> 16 values of T in shared memory, each times `scale`
-// (scale 1: exact in bf16 and fp16).
+// 16 e4m3 values (one 16-byte chunk; convert_e4m3x16) stored as 32 contiguous bytes of
+// shared memory
 template <typename T>
 __device__ __forceinline__ void store_e4m3x16(T* dst, uint4 raw, float scale) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t packed[8];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __half2_raw hr =
-          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[j] >> (16 * h)) & 0xFFFF), __NV_E4M3);
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
-      packed[j * 2 + h] = Mma<T>::pack(f.x * scale, f.y * scale);
-    }
-  }
+  convert_e4m3x16<T>(raw, scale, packed);
   uint4* out = reinterpret_cast<uint4*>(dst);
   out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);

@@ -1,6 +1,6 @@
 // Dense paged MLA decode: the planner and the host entry point. Kernels: the mma.sync
 // kernel for 16-row tiles (csrc/decode_mma.cuh; rows = s_q * H <= 16 and every fp8 cache)
-// and the wgmma kernel for 64-row tiles (csrc/dense_decode_sm90.cu).
+// and the wgmma kernel for 64-row tiles (csrc/decode_wgmma.cu).
 // Schedule and numbers: docs/kernels/dense_decode.md.
 #include <climits>
 
@@ -61,7 +61,8 @@ void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_c
 }
 
 void plan_sparse_decode(const std::optional<at::Tensor>& topk_length, at::Tensor& metadata,
-                        int64_t q_tokens_per_req, int64_t topk, int64_t num_ctas, int64_t min_units) {
+                        int64_t q_tokens_per_req, int64_t topk, int64_t num_ctas, int64_t min_units,
+                        int64_t unit_tokens) {
   TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == at::kInt && metadata.is_contiguous() &&
                   metadata.numel() >= 2,
               "plan_sparse_decode: metadata must be contiguous int32 [groups + 2] on CUDA");
@@ -69,6 +70,8 @@ void plan_sparse_decode(const std::optional<at::Tensor>& topk_length, at::Tensor
   TORCH_CHECK(q_tokens_per_req >= 1 && groups % q_tokens_per_req == 0 && topk >= 1 && num_ctas >= 1 &&
                   min_units >= 1,
               "plan_sparse_decode: bad sizes");
+  TORCH_CHECK(unit_tokens == kUnitMma || unit_tokens == kUnitWgmma, "plan_sparse_decode: unit_tokens must be ",
+              kUnitMma, " or ", kUnitWgmma, ", got ", unit_tokens);
   if (topk_length.has_value()) {
     TORCH_CHECK(topk_length->is_cuda() && topk_length->scalar_type() == at::kInt && topk_length->is_contiguous() &&
                     topk_length->numel() * q_tokens_per_req == groups,
@@ -77,7 +80,7 @@ void plan_sparse_decode(const std::optional<at::Tensor>& topk_length, at::Tensor
   const c10::cuda::CUDAGuard guard(metadata.device());
   launch_pdl(plan_decode_kernel, dim3(1), dim3(1024), 0, at::cuda::getCurrentCUDAStream(),
              topk_length.has_value() ? topk_length->data_ptr<int>() : nullptr, int(groups), int(q_tokens_per_req),
-             int(topk), metadata.data_ptr<int>(), int(num_ctas), int(min_units), int(kUnitMma));
+             int(topk), metadata.data_ptr<int>(), int(num_ctas), int(min_units), int(unit_tokens));
 }
 
 void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,

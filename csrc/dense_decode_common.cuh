@@ -1,11 +1,12 @@
-// Pieces shared by the dense decode kernels (csrc/dense_decode.cu: mma.sync, 16-row tiles;
-// csrc/dense_decode_sm90.cu: wgmma, 64-row tiles): parameters, small device helpers, the
+// Pieces shared by the decode kernels (csrc/decode_mma.cuh: mma.sync, 16- to 64-row tiles;
+// csrc/decode_wgmma.cu: wgmma, 64-row tiles; dense and sparse): parameters, small device helpers, the
 // planner and the combine kernel. Schedule: docs/kernels/dense_decode.md.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "common.h"
 
@@ -80,6 +81,22 @@ template <> struct Mma<__half> {
   }
 };
 
+// 16 e4m3 values (one 16-byte chunk) -> 16 values of T (8 packed pairs), each times `scale`
+// (scale 1: exact in bf16 and fp16).
+template <typename T>
+__device__ __forceinline__ void convert_e4m3x16(uint4 raw, float scale, uint32_t* packed) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw hr =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[j] >> (16 * h)) & 0xFFFF), __NV_E4M3);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+      packed[j * 2 + h] = Mma<T>::pack(f.x * scale, f.y * scale);
+    }
+  }
+}
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -215,6 +232,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) dense_decode_combine_kerne
 constexpr int kUnitMma = 32;
 constexpr int kUnitWgmma = 64;
 void launch_decode_wgmma(const DecodeParams& p, bool bf16, cudaStream_t stream);
+void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream);
 
 template <typename T>
 inline void launch_combine(const DecodeParams& p, cudaStream_t stream) {

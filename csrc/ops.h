@@ -19,7 +19,8 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
                 const std::optional<at::Tensor>& kv_scale, double kv_scale_value);
 
 void plan_sparse_decode(const std::optional<at::Tensor>& topk_length, at::Tensor& metadata,
-                        int64_t q_tokens_per_req, int64_t topk, int64_t num_ctas, int64_t min_units);
+                        int64_t q_tokens_per_req, int64_t topk, int64_t num_ctas, int64_t min_units,
+                        int64_t unit_tokens);
 
 void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
                        const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,

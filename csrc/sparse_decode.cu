@@ -2,7 +2,7 @@
 // its index list names. One kernel serves decode ([B, s_q, H] queries, indices [B, s_q,
 // topk]) and prefill ([T, H] queries = T groups of one token): each (batch entry, query
 // token) is one request of the split-KV plan, its keys the entries of its index list, its
-// rows the H heads (csrc/decode_mma.cuh, kSparse). Notes: docs/kernels/sparse_decode.md.
+// rows the H heads (csrc/decode_mma.cuh, kSparse; csrc/decode_wgmma.cu). Notes: docs/kernels/sparse_decode.md.
 #include "decode_mma.cuh"
 #include "ops.h"
 
@@ -11,6 +11,8 @@ namespace {
 
 using namespace dense;
 
+// 16- and 32-row tiles: the mma.sync kernel (32-entry units); 64-row tiles: the wgmma kernel
+// with a gathering producer warpgroup (csrc/decode_wgmma.cu, 64-entry units).
 template <int kRows>
 void launch_sparse(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream) {
   if (fp8_ds_mla) launch_mma_decode<__nv_bfloat16, kRows, KvFormat::kFp8DsMla, true>(p, stream);
@@ -78,7 +80,7 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   switch (rows_per_cta) {
     case 16: launch_sparse<16>(p, ds, stream); break;
     case 32: launch_sparse<32>(p, ds, stream); break;
-    case 64: launch_sparse<64>(p, ds, stream); break;
+    case 64: launch_sparse_wgmma(p, ds, stream); break;
     default: TORCH_CHECK(false, "sparse_mla_decode: rows_per_cta must be 16, 32 or 64, got ", rows_per_cta);
   }
 }

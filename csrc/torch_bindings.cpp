@@ -16,7 +16,7 @@ TORCH_LIBRARY(mla_backend, m) {
       "float kv_scale_value) -> ()");
   m.def(
       "plan_sparse_decode(Tensor? topk_length, Tensor(a!) metadata, int q_tokens_per_req, int topk, "
-      "int num_ctas, int min_units) -> ()");
+      "int num_ctas, int min_units, int unit_tokens) -> ()");
   m.def(
       "sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor metadata, "
       "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, int num_ctas, "

@@ -373,22 +373,25 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
 MAX_TOPK = 16384
 FP8_DS_MLA_BYTES = formats.FP8_DS_MLA_BYTES
-SPARSE_UNIT_TOKENS = 32  # index-list entries per work unit (the mma.sync kernel's unit)
 MAX_SPARSE_GROUPS = 65535  # query tokens (batch * s_q) per call: the combine grid's y-dim
 
 
-def _sparse_tile(num_heads: int) -> tuple[int, int]:
-    """(rows per CTA, CTAs per SM) of the sparse kernel for H heads: 16-row tiles (two CTAs
-    per SM) up to 16 heads, then 32- and 64-row tiles (one CTA per SM) so a gathered key
-    serves up to 64 heads. Must agree with csrc/decode_mma.cuh's shared memory."""
+def _sparse_tile(num_heads: int) -> tuple[int, int, int]:
+    """(rows per CTA, index-list entries per work unit, CTAs per SM) of the sparse kernel for
+    H heads: the mma.sync kernel with 16-row tiles (two CTAs per SM) up to 16 heads and
+    32-row tiles up to 32; above, the wgmma kernel with a gathering producer warpgroup,
+    64-row tiles and 64-entry units, so a gathered key serves 64 heads. Must agree with
+    csrc/decode_mma.cuh and csrc/decode_wgmma.cu."""
     if num_heads <= 16:
-        return 16, 2
-    return (32, 1) if num_heads <= 32 else (64, 1)
+        return 16, 32, 2
+    return (32, 32, 1) if num_heads <= 32 else (64, 64, 1)
 
 
-def _sparse_grid(num_heads: int, num_sms: int) -> tuple[int, int]:
-    rows_per_cta, ctas_per_sm = _sparse_tile(num_heads)
-    return rows_per_cta, max(1, num_sms * ctas_per_sm // math.ceil(num_heads / rows_per_cta))
+def _sparse_grid(num_heads: int, num_sms: int) -> tuple[int, int, int]:
+    """(rows per CTA, entries per unit, CTAs) of one call: one wave."""
+    rows_per_cta, unit_tokens, ctas_per_sm = _sparse_tile(num_heads)
+    m_tiles = math.ceil(num_heads / rows_per_cta)
+    return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
 
 
 @dataclass
@@ -405,6 +408,7 @@ class SparsePlan:
     topk: int
     topk_length: torch.Tensor | None
     rows_per_cta: int
+    unit_tokens: int
     num_ctas: int
     metadata: torch.Tensor
     partial_out: torch.Tensor
@@ -436,7 +440,7 @@ def sparse_workspace(max_groups: int, num_heads: int, *, device: torch.device | 
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device; got {device}")
     sms = num_sms if num_sms is not None else _num_sms(device)
-    ctas = _sparse_grid(num_heads, sms)[1]
+    ctas = _sparse_grid(num_heads, sms)[2]
     return SparseWorkspace(
         max_groups=max_groups, num_heads=num_heads, num_sms=sms,
         metadata=torch.zeros(max_groups + 2, dtype=torch.int32, device=device),
@@ -495,18 +499,19 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
         if device is None:
             raise ValueError("pass device (or topk_length, or workspace) to plan_sparse_decode")
         ws = sparse_workspace(max(groups, 1), num_heads, device=device, num_sms=num_sms)
-    rows_per_cta, num_ctas = _sparse_grid(num_heads, ws.num_sms)
+    rows_per_cta, unit_tokens, num_ctas = _sparse_grid(num_heads, ws.num_sms)
     plan = SparsePlan(
         batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads, topk=topk,
-        topk_length=topk_length, rows_per_cta=rows_per_cta, num_ctas=num_ctas,
+        topk_length=topk_length, rows_per_cta=rows_per_cta, unit_tokens=unit_tokens,
+        num_ctas=num_ctas,
         metadata=ws.metadata[:groups + 2],
         partial_out=ws.partial_out[:2 * num_ctas * num_heads * D_V].view(
             2 * num_ctas, num_heads, D_V),
         partial_lse=ws.partial_lse[:2 * num_ctas * num_heads].view(2 * num_ctas, num_heads))
     _extension.require("plan_sparse_decode")
-    min_units = -(-MIN_TOKENS_PER_CTA // SPARSE_UNIT_TOKENS)
+    min_units = -(-MIN_TOKENS_PER_CTA // unit_tokens)
     torch.ops.mla_backend.plan_sparse_decode(topk_length, plan.metadata, num_q_tokens_per_req,
-                                             topk, num_ctas, min_units)
+                                             topk, num_ctas, min_units, unit_tokens)
     return plan
 
 

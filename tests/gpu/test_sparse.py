@@ -119,21 +119,24 @@ def test_decode_heads_and_query_lengths(fmt, heads, s_q):
     _check_decode(3, s_q, heads, 512, fmt, lengths=[512, 77, 300])
 
 
+# 16 heads: the mma.sync kernel; 128: the wgmma kernel (two 64-row tiles)
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
-@pytest.mark.parametrize("topk", [64, 2048])
-def test_decode_clustered_indices_and_ragged_lengths(fmt, topk):
-    # lengths 0 (empty), short, not a multiple of the 32-entry unit, past topk (clamped)
-    _check_decode(6, 2, 16, topk, fmt, clustered=True,
+@pytest.mark.parametrize("topk", [64, 100, 2048])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_clustered_indices_and_ragged_lengths(fmt, topk, heads):
+    # lengths 0 (empty), short, not a multiple of the 32- or 64-entry unit, past topk (clamped)
+    _check_decode(6, 2, heads, topk, fmt, clustered=True,
                   lengths=[0, 5, topk - 3, topk + 100, 33, topk], num_blocks=80)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
-def test_decode_all_invalid_rows_and_topk_past_context(fmt):
-    q, cache, idx, _ = _case(4, 2, 32, 256, fmt, num_blocks=3, invalid_frac=0.0)
+@pytest.mark.parametrize("heads", [32, 64])
+def test_decode_all_invalid_rows_and_topk_past_context(fmt, heads):
+    q, cache, idx, _ = _case(4, 2, heads, 256, fmt, num_blocks=3, invalid_frac=0.0)
     idx[0] = -1                          # every index of entry 0 invalid
     idx[1, 1] = cache.shape[0] * PAGE    # one query row: all out of range
     idx[2, :, 40:] = -1                  # topk 256 over a 40-token context: -1 padded
-    plan = ops.plan_sparse_decode(4, 2, 32, 256, device="cuda")
+    plan = ops.plan_sparse_decode(4, 2, heads, 256, device="cuda")
     got, lse = ops.sparse_mla_decode(q, cache, idx, plan, 0.1)
     want, want_lse = ref.sparse_mla_decode(q, _kernel_keys(cache), idx, None, 0.1)
     _compare(got, lse, want, want_lse)
@@ -147,19 +150,20 @@ def test_decode_large_batch_and_topk_16384():
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
-def test_decode_strided_cache_and_strided_q_and_indices(fmt):
+@pytest.mark.parametrize("heads", [16, 64])
+def test_decode_strided_cache_and_strided_q_and_indices(fmt, heads):
     g = _gen()
-    q, cache, idx, length = _case(3, 2, 16, 128, fmt, lengths=[128, 40, 1], g=g)
+    q, cache, idx, length = _case(3, 2, heads, 128, fmt, lengths=[128, 40, 1], g=g)
     big = torch.full((cache.shape[0], 3) + tuple(cache.shape[1:]), 0xFF if fmt != "bf16"
                      else float("nan"), dtype=cache.dtype, device="cuda")
     big[:, 1] = cache
     view = big[:, 1]                                     # a layer's slice: stride(0) = 3 pages
-    q_big = torch.randn(3, 2, 16, 640, device="cuda").to(torch.bfloat16)
+    q_big = torch.randn(3, 2, heads, 640, device="cuda").to(torch.bfloat16)
     q_big[..., :576] = q
     idx_big = torch.full((3, 4, 136), -1, dtype=torch.int32, device="cuda")
     idx_big[:, ::2, :128] = idx
     qv, iv = q_big[..., :576], idx_big[:, ::2, :128]
-    plan = ops.plan_sparse_decode(3, 2, 16, 128, topk_length=length)
+    plan = ops.plan_sparse_decode(3, 2, heads, 128, topk_length=length)
     got, lse = ops.sparse_mla_decode(qv, view, iv, plan, 0.07, topk_length=length)
     want, want_lse = ref.sparse_mla_decode(q, _kernel_keys(cache), idx, None, 0.07, length)
     _compare(got, lse, want, want_lse)

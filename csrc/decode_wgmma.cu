@@ -1,20 +1,28 @@
-// Dense paged MLA decode for 64-row tiles (rows = s_q * H > 16): wgmma (sm_90a), two
-// warpgroups alternating pages ("seesaw"; the idea is FlashMLA's, this code is ours).
+// MLA decode for 64-row tiles with wgmma (sm_90a): two consumer warpgroups alternating
+// 64-key units ("seesaw"; the idea is FlashMLA's, this code is ours). One kernel template,
+// three key sources:
+//   kPagedTma   dense paged decode: TMA loads whole 64-token pages (256 threads);
+//   kSparse16   sparse (DSA) decode / prefill over a bf16 cache, and
+//   kSparseDsMla                 ... over the 656-byte fp8_ds_mla cache: a third, producer
+//               warpgroup gathers the 64 listed slots of each unit with cp.async (384 threads)
+//               and, for fp8_ds_mla, dequantizes them to bf16 in shared memory, so the
+//               consumers see the same bf16 tile as from a bf16 cache.
 //
-// A CTA (256 threads) works on one 64-row tile; its unit of work is one 64-token page.
-// Pages of a request piece go in pairs: warpgroup 0 owns even pages (buffer K0), warpgroup 1
-// odd pages (buffer K1). Warpgroup w holds output columns [256w, 256w + 256).
-//   S        : each warpgroup computes S = Q K^T for its own page, 64 rows x 64 keys over
+// A CTA works on one 64-row tile; its unit of work is 64 keys (a page, or 64 list entries).
+// Units of a request piece go in pairs: warpgroup 0 owns even units (buffer K0), warpgroup 1
+// odd units (buffer K1). Warpgroup w holds output columns [256w, 256w + 256).
+//   S        : each warpgroup computes S = Q K^T for its own unit, 64 rows x 64 keys over
 //              576 (wgmma m64n64k16; Q chunks 0-7 from smem, the rope chunk 8 from
 //              registers, since its smem holds the second P buffer).
 //   softmax  : warpgroup 0 first, then warpgroup 1 on top of its running max; the max and
 //              the rescale factors go through smem (named barriers SM0, SM1).
 //   PV       : each warpgroup multiplies its own P from registers (RS) by its half of its own
-//              page's V, and the other's P (smem, after barriers P0 / P1) by its half of the
-//              other page's V.
-// Each half of a K buffer (chunks 0-3 = V left, 4-8 = V right + rope) goes back to TMA as
-// soon as its last reader's wgmma retires, so the next pair of pages streams in while this
-// pair computes. Shared memory: Q 72 KiB + 2 x K 72 KiB + P0 8 KiB + scalars = 225 KiB.
+//              unit's V, and the other's P (smem, after barriers P0 / P1) by its half of the
+//              other unit's V.
+// Each half of a K buffer (chunks 0-3 = V left, 4-8 = V right + rope) is released as soon as
+// its last reader's wgmma retires (dense: its TMA refill is issued; sparse: the producer's
+// "empty" mbarrier is signalled), so the next pair of units streams in while this pair
+// computes. Shared memory: Q 72 KiB + 2 x K 72 KiB + P0 8 KiB + scalars = 225 KiB.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -29,16 +37,25 @@ namespace mla_backend {
 namespace dense {
 namespace {
 
+// Where a unit's keys come from (see the file comment).
+enum class KeySource { kPagedTma, kSparse16, kSparseDsMla };
+
 constexpr int kRows = 64;
-constexpr int kKeys = kUnitWgmma;                    // 64 tokens per page / unit
-constexpr int kThreads = 256;
+constexpr int kKeys = kUnitWgmma;                    // 64 keys per unit
+constexpr int kConsumerThreads = 256;                // two warpgroups
 constexpr int kChunkBytes = 64 * 128;                // one 64-column chunk of a 64-row tile
 constexpr int kTileBytes = (kDqk / 64) * kChunkBytes;  // 9 chunks: 72 KiB
 constexpr int kPBytes = kChunkBytes;                 // 64 rows x 64 keys
 constexpr int kHalfL = 4 * kChunkBytes;             // chunks 0-3: V columns 0-255
-// Q, K0, K1, P0; sM, sScale0, sScale1, sSum[2] (5 x 64 floats); 18 mbarriers; alignment slack
-constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 5 * kRows * sizeof(float) + 18 * 8 + 1024;
+// Q, K0, K1, P0; sM, sScale0, sScale1, sSum[2] (5 x 64 floats); 18 mbarriers; the sparse key
+// masks (2 buffers x 4 words); alignment slack
+constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 5 * kRows * sizeof(float) + 18 * 8 + 8 * 4 + 1024;
 static_assert(kSmem <= 232448, "more shared memory than an sm_90 block can have");
+// Sparse: the producer warpgroup keeps few registers, the consumers take the rest
+// (2 x 224 + 56 = 3 x 168, the launch's 168 per thread; at 224 ptxas neither spills nor
+// serializes the wgmmas, which it does at 232 with Q's rope chunk held in registers).
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
 constexpr float kNoMax = -1e30f;  // running-max start: finite, so no inf - inf
 
 // Byte offset of element (row, col) in a [64 x cols] tile stored as 64-column chunks of
@@ -96,6 +113,7 @@ constexpr int kBarMax1 = 2;    // warpgroup 1's max / scale published
 constexpr int kBarP0 = 3;      // P0 in smem
 constexpr int kBarP1 = 4;      // P1 in smem
 constexpr int kBarWg0 = 5;     // ... and one warpgroup's 128 threads (ids 5, 6)
+constexpr int kBarConsumers = 7;  // both consumer warpgroups where a producer runs beside them
 
 
 template <int N>
@@ -108,9 +126,29 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-__device__ __forceinline__ void mbar_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// true when the phase of the given parity has completed (does not block)
+__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t phase) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+  return done != 0;
+}
+// 16-byte async copy to a shared-memory address; src_bytes = 0 zero-fills without reading
+__device__ __forceinline__ void cp_async_16s(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void set_max_regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -129,9 +167,130 @@ __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* ma
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(0), "r"(blk), "r"(bar) : "memory");
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
-                                                                       const __grid_constant__ CUtensorMap kv_map) {
+template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;
+
+// The producer warpgroup of the sparse sources. Thread t of its 128 handles list entry t / 2
+// of every unit, columns split between the two threads of a pair. Fills run in the order
+// the consumers release halves of the K buffers (unit pair a, b: K0 left, K1 right, K0
+// right, K1 left; see the consumer loop), each after the previous occupant's release
+// ("empty" mbarrier: one arrival per consumer warp). A fill's copies are issued, then the
+// previous fill is finished (cp.async landed; fp8_ds_mla: dequantized) and announced on its
+// "full" mbarrier (128 arrivals); a fill whose buffer is still busy first finishes the one
+// before it, so a consumer never waits on a fill the producer holds back.
+template <KeySource kSrc>
+struct SparseProducer {
+  const DecodeParams& p;
+  const unsigned char* kv;
+  uint32_t kbuf0, bars_full, bars_empty;
+  uint32_t* masks;  // [2 buffers][4 warps]: bit 2j of word w = entry 16w + j of the unit is valid
+  int tk, part, warp, lane;
+  uint32_t used = 0, empty_phase = 0;  // bit 2b + h: half h of buffer b filled before / parity
+
+  __device__ uint32_t kbuf(int b) const { return kbuf0 + b * kTileBytes; }
+  __device__ const unsigned char* token_row(int slot) const {
+    return kv + (int64_t(slot / kPage) * p.kv_stride_block + int64_t(slot % kPage) * p.kv_stride_tok) *
+                    (kSrc == KeySource::kSparse16 ? 2 : 1);
+  }
+
+  struct Fill {
+    int b = -1, h = 0;
+    float scale = 0.f;  // fp8_ds_mla: this thread's tile scale
+  };
+
+  // half h of buffer b from cache slot `slot` (-1: zeros, masked)
+  __device__ Fill issue(int b, int h, int slot, Fill& pending) {
+    const int bit = 2 * b + h;
+    if ((used >> bit) & 1) {
+      const uint32_t bar = bars_empty + bit * 8;
+      const uint32_t ph = (empty_phase >> bit) & 1;
+      // lane 0 decides for its warp: the finish step synchronises the warp
+      const bool ready = __shfl_sync(0xffffffff, mbar_test(bar, ph), 0);
+      if (!ready && pending.b >= 0) {
+        cp_async_wait<0>();
+        finish(pending);
+        pending.b = -1;
+      }
+      mbar_wait(bar, ph);
+      empty_phase ^= 1u << bit;
+    }
+    used |= 1u << bit;
+    const uint32_t valid = __ballot_sync(0xffffffff, slot >= 0);
+    if (lane == 0) masks[b * 4 + warp] = valid;
+    const bool ok = slot >= 0;
+    const unsigned char* row = ok ? token_row(slot) : kv;
+    const int nbytes = ok ? 16 : 0;
+    const uint32_t dst = kbuf(b);
+    Fill f;
+    f.b = b; f.h = h;
+    if constexpr (kSrc == KeySource::kSparse16) {
+      // columns [0, 256) (32 16-byte units) or [256, 576) (40); half of them per thread
+      constexpr int kL = 16, kR = 20;
+      const int nu = h == 0 ? kL : kR, u0 = (h == 0 ? 0 : 32) + part * nu;
+#pragma unroll 4
+      for (int j = 0; j < kR; ++j) {
+        if (j < nu) cp_async_16s(dst + sw128_offset(tk, (u0 + j) * 8), row + (u0 + j) * 16, nbytes);
+      }
+    } else {
+      // 128 e4m3 values (this thread's scale tile 2h + part) staged raw: units 0-3 in chunk
+      // 4h + 1, units 4-7 in chunk 4h + 3, at this entry's 128-byte row (see finish)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 + (part * 4 + (j & 3)) * 16;
+        cp_async_16s(stage, row + h * 256 + part * 128 + j * 16, nbytes);
+      }
+      if (h == 1) {  // rope: 64 bf16 at byte 528, straight to chunk 8
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          cp_async_16s(dst + sw128_offset(tk, 512 + part * 32 + j * 8), row + 528 + part * 64 + j * 16, nbytes);
+        }
+      }
+      f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + part) : 0.f;
+    }
+    cp_async_commit();
+    return f;
+  }
+
+  // the fill's copies have landed (caller waited): dequantize, publish to the async proxy,
+  // announce
+  __device__ void finish(const Fill& f) {
+    if constexpr (kSrc == KeySource::kSparseDsMla) {
+      // raw units j < 4 sit in chunk 4h+1 and become columns of chunk 4h + 2*part; units
+      // j >= 4 sit in chunk 4h+3 and become columns of chunk 4h + 2*part + 1. An entry's
+      // 128-byte row in each chunk belongs to its two threads (one warp): the warp reads all
+      // its raw units before any lands on a raw row.
+      const uint32_t dst = kbuf(f.b);
+      unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(dst));
+      auto raw_at = [&](int j) {
+        return *reinterpret_cast<const uint4*>(gen + (4 * f.h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 +
+                                               (part * 4 + (j & 3)) * 16);
+      };
+      auto put = [&](int j, uint4 raw) {
+        uint32_t v[8];
+        convert_e4m3x16<__nv_bfloat16>(raw, f.scale, v);
+        const int col = 256 * f.h + part * 128 + j * 16;
+        *reinterpret_cast<uint4*>(gen + sw128_offset(tk, col)) = make_uint4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<uint4*>(gen + sw128_offset(tk, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
+      };
+#pragma unroll
+      for (int j = 0; j < 4; ++j) put(j, raw_at(j));  // to chunks 4h, 4h+2: no raw there
+      uint4 hi[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) hi[j] = raw_at(4 + j);
+      __syncwarp();  // every raw unit of the warp's rows is in registers or already used
+#pragma unroll
+      for (int j = 0; j < 4; ++j) put(4 + j, hi[j]);
+    }
+    fence_proxy_async();
+    mbar_arrive(bars_full + (2 * f.b + f.h) * 8);
+  }
+};
+
+// kPagedTma: T = bf16 or fp16, dense paged decode. Sparse sources: T = bf16, requests are
+// query groups (DecodeParams).
+template <typename T, KeySource kSrc>
+__global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
+                                                                         const __grid_constant__ CUtensorMap kv_map) {
+  constexpr bool kSparse = kSrc != KeySource::kPagedTma;
   extern __shared__ unsigned char smem_raw[];
   // SW128 atoms must start on 1024-byte boundaries
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -140,13 +299,17 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   const uint32_t sQ = base;
   auto sKbuf = [&](int b) { return base + (1 + b) * kTileBytes; };
   const uint32_t sP0 = base + 3 * kTileBytes;
-  const uint32_t sP1 = sQ + 8 * kChunkBytes;  // Q's rope chunk, once it is in registers
+  // P1: dense, Q's rope chunk once it is in registers; sparse (fewer registers beside the
+  // producer), K1's rope chunk, dead once S of its unit is done
+  const uint32_t sP1 = kSparse ? sKbuf(1) + 8 * kChunkBytes : sQ + 8 * kChunkBytes;
   float* sM = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);  // running max (log2)
   float* sScale0 = sM + kRows;
   float* sScale1 = sScale0 + kRows;
   float* sSum = sScale1 + kRows;                                           // [2][64]
-  // mbarriers: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8
+  // mbarriers. Dense: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8. Sparse:
+  // "full" of half h of buffer b at bars + (2b + h) * 8, "empty" at bars + (4 + 2b + h) * 8.
   const uint32_t bars = sP0 + kPBytes + 5 * kRows * sizeof(float);
+  uint32_t* sMask = reinterpret_cast<uint32_t*>(smem + (bars - base) + 18 * 8);  // sparse: [2][4]
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = tid >> 7, wtid = tid & 127;
@@ -154,11 +317,17 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   const int qd = lane & 3;
   const bool wg_leader = wtid == 0;
   if (tid == 0) {
-    for (int i = 0; i < 18; ++i) mbar_init(bars + i * 8);
+    if constexpr (kSparse) {
+      for (int i = 0; i < 4; ++i) mbar_init(bars + i * 8, 128);      // full: every producer thread
+      // empty: every warp of the releasing warpgroup; K1's right half (with P1): both
+      for (int i = 4; i < 8; ++i) mbar_init(bars + i * 8, i == 7 ? 8 : 4);
+    } else {
+      for (int i = 0; i < 18; ++i) mbar_init(bars + i * 8, 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   pdl_launch_dependents();
-  pdl_wait();  // the plan, q and the cache are written by earlier kernels
+  pdl_wait();  // the plan, q, the indices and the cache are written by earlier kernels
 
   const int* P = p.meta;
   const int cta = blockIdx.x;
@@ -167,7 +336,66 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
   if (!cta_units(p, u_begin, u_end, U)) return;
   __syncthreads();  // barriers initialised
 
-  uint32_t phases = 0;  // bit (9b + c): parity of buffer b chunk c's next completion
+  // sparse: the index list of group r, its length, the slot of entry pos (-1: none)
+  auto group_indices = [&](int r) {
+    return p.indices + int64_t(r / p.group_s_q) * p.idx_stride_b + int64_t(r % p.group_s_q) * p.idx_stride_s;
+  };
+  auto group_len = [&](int r) {
+    return p.topk_length != nullptr ? min(max(__ldg(p.topk_length + r / p.group_s_q), 0), p.topk) : p.topk;
+  };
+
+  if constexpr (kSparse) {
+    if (wg == 2) {  // ---- producer warpgroup
+      set_max_regs_dec<kProducerRegs>();
+      SparseProducer<kSrc> prod{p, static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + 4 * 8, sMask,
+                                wtid >> 1, wtid & 1, wtid >> 5, lane};
+      typename SparseProducer<kSrc>::Fill pending;
+      auto issue = [&](int b, int h, int slot) {
+        const auto f = prod.issue(b, h, slot, pending);
+        if (pending.b >= 0) {
+          cp_async_wait<1>();
+          prod.finish(pending);
+        }
+        pending = f;
+      };
+      int r = request_of_unit(P, p.batch, u_begin);
+      for (int u = u_begin; u < u_end;) {
+        while (u >= __ldg(P + r + 1)) ++r;
+        const int Pr = __ldg(P + r);
+        const int pg_begin = u - Pr, pg_end = min(u_end, __ldg(P + r + 1)) - Pr;
+        const int* list = group_indices(r);
+        const int len = group_len(r);
+        auto slot_of = [&](int pg) {
+          const int pos = pg * kKeys + prod.tk;
+          const int slot = pos < len ? __ldg(list + pos) : -1;
+          return (slot >= 0 && slot < p.num_slots) ? slot : -1;
+        };
+        for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
+          const bool has_b = pa_ + 1 < pg_end;
+          const int slot_a = slot_of(pa_), slot_b = has_b ? slot_of(pa_ + 1) : -1;
+          issue(0, 0, slot_a);
+          if (has_b) issue(1, 1, slot_b);
+          issue(0, 1, slot_a);
+          if (has_b) issue(1, 0, slot_b);
+        }
+        u = Pr + pg_end;
+      }
+      if (pending.b >= 0) {
+        cp_async_wait<0>();
+        prod.finish(pending);
+      }
+      return;
+    }
+    set_max_regs_inc<kConsumerRegs>();
+  }
+  // consumers from here: two warpgroups, 256 threads
+  auto consumers_sync = [&] {
+    if constexpr (kSparse) named_sync(kBarConsumers, kConsumerThreads);
+    else __syncthreads();
+  };
+
+  uint32_t phases = 0;  // dense: bit (9b + c): parity of buffer b chunk c's next completion;
+                        // sparse: bit (2b + h) of half h's "full" barrier
   const T* qbase = static_cast<const T*>(p.q);
 
   // block id of page pi of request r (0 past the block table: the page is then masked and
@@ -185,15 +413,34 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
       tma_load_box(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, blk, bar);
     }
   };
-  auto wait_chunk = [&](int b, int c) {
-    const int bit = 9 * b + c;
-    mbar_wait(bars + bit * 8, (phases >> bit) & 1);
-    phases ^= 1u << bit;
+  // half h of buffer b is no longer read by this warpgroup (its wgmmas retired): dense, TMA
+  // the next page there (if there is one); sparse, tell the producer
+  auto release = [&](int b, int h, bool has_next, int next_blk) {
+    if constexpr (kSparse) {
+      if (lane == 0) {
+        mbar_arrive(bars + (4 + 2 * b + h) * 8);
+        // K1's left half goes when warpgroup 0's PV with P1 retired: so does P1, in chunk 8
+        if (b == 1 && h == 0) mbar_arrive(bars + (4 + 2 + 1) * 8);
+      }
+    } else {
+      if (wg_leader && has_next) load_half(b, h, next_blk);
+    }
   };
-
+  auto wait_chunk = [&](int b, int c) {
+    if constexpr (kSparse) {
+      if (c != 0 && c != 4) return;  // one barrier per half
+      const int bit = 2 * b + (c >> 2);
+      mbar_wait(bars + bit * 8, (phases >> bit) & 1);
+      phases ^= 1u << bit;
+    } else {
+      const int bit = 9 * b + c;
+      mbar_wait(bars + bit * 8, (phases >> bit) & 1);
+      phases ^= 1u << bit;
+    }
+  };
   float o[128];
   float s[32];        // S of this warpgroup's current page, then its P (fp32)
-  uint32_t q8[4][4];  // Q rope chunk (columns 512-575) as wgmma A fragments, 4 k-steps
+  uint32_t q8[4][4];  // dense: Q rope chunk (columns 512-575) as wgmma A fragments, 4 k-steps
   float l_run[2];
 
   // S = Q K^T for the page in buffer b, 9 chunks of 4 k-steps, each chunk issued (one commit
@@ -212,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const bool zero = i == 0 && k == 0;
-        if (c < 8) {
+        if (kSparse || c < 8) {
           const uint32_t koff = c * kChunkBytes + k * 32;
           gmma_ss<typename Gmma<T>::QK_SS>(make_desc(sQ + koff, 16, 1024), make_desc(sKbuf(b) + koff, 16, 1024), s,
                                            !zero, std::make_index_sequence<32>{});
@@ -248,17 +495,26 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
     cute::warpgroup_commit_batch();
   };
   // rows >= n_valid of a page's V (chunks 0-7) hold whatever the cache has there: zero them
+  // (sparse: the producer zero-fills entries that name no slot)
   auto zero_tail = [&](int b, int n_valid) {
-    if (n_valid >= kKeys) return;
-    for (int i = wtid; i < (kKeys - n_valid) * 64; i += 128) {
-      const int t = n_valid + i / 64, c = i % 64;  // 8 chunks x 8 16-byte units per row
-      *reinterpret_cast<uint4*>(smem + (sKbuf(b) - base) + sw128_offset(t, c * 8)) = make_uint4(0, 0, 0, 0);
+    if constexpr (!kSparse) {
+      if (n_valid >= kKeys) return;
+      for (int i = wtid; i < (kKeys - n_valid) * 64; i += 128) {
+        const int t = n_valid + i / 64, c = i % 64;  // 8 chunks x 8 16-byte units per row
+        *reinterpret_cast<uint4*>(smem + (sKbuf(b) - base) + sw128_offset(t, c * 8)) = make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async();
+      named_sync(kBarWg0 + wg, 128);
     }
-    fence_proxy_async();
-    named_sync(kBarWg0 + wg, 128);
   };
-  // scale S to the log2 domain and mask keys past each row's limit; row maxima of this page
+  // scale S to the log2 domain and mask keys past each row's limit (dense) or not valid in
+  // the unit's mask (sparse: written by the producer with the fill); row maxima of this unit
   auto mask_and_max = [&](int tok0, int seq_len, float* rmax) {
+    uint32_t valid[4];
+    if constexpr (kSparse) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) valid[w] = sMask[wg * 4 + w];
+    }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + wrow + hr * 8;
@@ -268,9 +524,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
       for (int n = 0; n < 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int key = tok0 + n * 8 + qd * 2 + e;
+          const int key = n * 8 + qd * 2 + e;
+          const bool ok = kSparse ? (valid[key >> 4] >> (2 * (key & 15))) & 1 : tok0 + key < limit;
           float& v = s[n * 4 + hr * 2 + e];
-          v = key < limit ? v * p.scale_log2 : -INFINITY;
+          v = ok ? v * p.scale_log2 : -INFINITY;
           mx = fmaxf(mx, v);
         }
       }
@@ -334,10 +591,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
     while (u >= __ldg(P + r + 1)) ++r;
     const int Pr = __ldg(P + r);
     const int pg_begin = u - Pr, pg_end = min(u_end, __ldg(P + r + 1)) - Pr;  // page indices
-    const int seq_len = __ldg(p.seq_lens + r);
-    // prologue: first pages of the piece (both buffers are free: the previous piece ended
-    // with a CTA barrier after every wgmma retired)
-    if (wg_leader) {
+    const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + r);
+    // dense prologue: first pages of the piece (both buffers are free: the previous piece
+    // ended with a CTA barrier after every wgmma retired)
+    if (!kSparse && wg_leader) {
       const int pg = pg_begin + wg;
       if (pg < pg_end) {
         const int blk = block_of(r, pg);
@@ -346,25 +603,30 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
       }
     }
     // Q tile -> smem, the running max reset
-    for (int i = tid; i < kRows * kChunksPerRow; i += kThreads) {
+    for (int i = tid; i < kRows * kChunksPerRow; i += kConsumerThreads) {
       const int m = i / kChunksPerRow, c = i % kChunksPerRow;
       const int row = row0 + m;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (row < p.rows) {
         const int qi = row / p.heads, h = row % p.heads;
-        v = __ldg(reinterpret_cast<const uint4*>(qbase + r * p.q_stride_b + qi * p.q_stride_s + h * p.q_stride_h) + c);
+        // dense: request r = batch entry; sparse: group r = (b, s), qi = 0
+        const int64_t q_off = int64_t(r / p.group_s_q) * p.q_stride_b +
+                              int64_t(r % p.group_s_q + qi) * p.q_stride_s + int64_t(h) * p.q_stride_h;
+        v = __ldg(reinterpret_cast<const uint4*>(qbase + q_off) + c);
       }
       *reinterpret_cast<uint4*>(smem + sw128_offset(m, c * 8)) = v;
     }
     if (tid < kRows) sM[tid] = kNoMax;
     fence_proxy_async();
-    __syncthreads();
+    consumers_sync();
+    if constexpr (!kSparse) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {  // Q rope chunk -> registers (A fragments)
-      const int row = (wtid >> 5) * 16 + (lane & 15);
-      ldmatrix_x4(q8[kk], smem + sw128_offset(row, 512 + kk * 16 + (lane >> 4) * 8));
+      for (int kk = 0; kk < 4; ++kk) {  // Q rope chunk -> registers (A fragments)
+        const int row = (wtid >> 5) * 16 + (lane & 15);
+        ldmatrix_x4(q8[kk], smem + sw128_offset(row, 512 + kk * 16 + (lane >> 4) * 8));
+      }
+      __syncthreads();  // chunk 8 of sQ is now free for P1
     }
-    __syncthreads();  // chunk 8 of sQ is now free for P1
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     l_run[0] = l_run[1] = 0.f;
@@ -382,7 +644,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
       const bool has_b = pb < pg_end;
       // block ids of the next pair, read now so the load latency hides behind this pair
       int blk_a2 = 0, blk_b2 = 0;
-      if (wg_leader) {
+      if (!kSparse && wg_leader) {
         if (pa_ + 2 < pg_end) blk_a2 = block_of(r, pa_ + 2);
         if (pb + 2 < pg_end) blk_b2 = block_of(r, pb + 2);
       }
@@ -417,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
         fence_regs<128>(o);
         named_sync(kBarMax1, 256);
         // left half of K0 is done (S and both its PV readers are warpgroup 0's)
-        if (wg_leader && pa_ + 2 < pg_end) load_half(0, 0, blk_a2);
+        release(0, 0, pa_ + 2 < pg_end, blk_a2);
         const float scale1[2] = {sScale1[wrow], sScale1[wrow + 8]};
         pack_p(pfrag, scale1);  // P0 rescaled to warpgroup 1's max, for its PV
         store_p(sP0, pfrag);
@@ -434,13 +696,13 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
         auto release_k1_left = [&] {
           if (!has_b) return;
           cute::warpgroup_wait<4>();  // all but the 4 chunk groups of S issued after it
-          if (wg_leader && pb + 2 < pg_end) load_half(1, 0, blk_b2);
+          release(1, 0, pb + 2 < pg_end, blk_b2);
         };
         if (pa_ + 2 < pg_end) {
           issue_s(std::integral_constant<int, 0>{}, release_k1_left);
         } else if (has_b) {
           cute::warpgroup_wait<0>();
-          if (wg_leader && pb + 2 < pg_end) load_half(1, 0, blk_b2);
+          release(1, 0, pb + 2 < pg_end, blk_b2);
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(o);
@@ -489,11 +751,11 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
         issue_pv_ss(sP0, 0);
         if (has_b) {
           cute::warpgroup_wait<1>();
-          if (wg_leader && pb + 2 < pg_end) load_half(1, 1, blk_b2);
+          release(1, 1, pb + 2 < pg_end, blk_b2);
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(o);
-        if (wg_leader && pa_ + 2 < pg_end) load_half(0, 1, blk_a2);
+        release(0, 1, pa_ + 2 < pg_end, blk_a2);
         if (pb + 2 < pg_end) {
           issue_s(std::integral_constant<int, 1>{}, nothing);
           cute::warpgroup_wait<0>();
@@ -507,7 +769,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
     l0 += __shfl_xor_sync(0xffffffff, l0, 1); l0 += __shfl_xor_sync(0xffffffff, l0, 2);
     l1 += __shfl_xor_sync(0xffffffff, l1, 1); l1 += __shfl_xor_sync(0xffffffff, l1, 2);
     if (qd == 0) { sSum[wg * kRows + wrow] = l0; sSum[wg * kRows + wrow + 8] = l1; }
-    __syncthreads();
+    consumers_sync();
     const float lt[2] = {sSum[wrow] + sSum[kRows + wrow], sSum[wrow + 8] + sSum[kRows + wrow + 8]};
     const float mt[2] = {sM[wrow], sM[wrow + 8]};
     const int Pr1 = __ldg(P + r + 1);
@@ -538,13 +800,14 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_wgmma_kernel(const _
         if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
       }
     }
-    __syncthreads();  // sM, sSum, sQ and both K buffers are reused by the next piece
+    consumers_sync();  // sM, sSum, sQ (and, dense, both K buffers) are reused by the next piece
     u = Pr + pg_end;
   }
 }
 
 // Tensor map of the paged cache as [num_blocks][64][576] with the cache's own strides (a
 // layer's view of a cross-layer buffer works), 64x64 boxes, 128-byte swizzle.
+
 CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
@@ -568,20 +831,27 @@ CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
   return map;
 }
 
-template <typename T>
+template <typename T, KeySource kSrc>
 void launch_wgmma(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = dense_decode_wgmma_kernel<T>;
+  auto kernel = decode_wgmma_kernel<T, kSrc>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
-  const CUtensorMap map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
-  launch_pdl(kernel, grid, dim3(kThreads), kSmem, stream, p, map);
+  CUtensorMap map{};  // sparse sources gather without a tensor map
+  if constexpr (kSrc == KeySource::kPagedTma) map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
+  launch_pdl(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, p, map);
   launch_combine<T>(p, stream);
 }
 
 }  // namespace
 
 void launch_decode_wgmma(const DecodeParams& p, bool bf16, cudaStream_t stream) {
-  if (bf16) launch_wgmma<__nv_bfloat16>(p, stream); else launch_wgmma<__half>(p, stream);
+  if (bf16) launch_wgmma<__nv_bfloat16, KeySource::kPagedTma>(p, stream);
+  else launch_wgmma<__half, KeySource::kPagedTma>(p, stream);
+}
+
+void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream) {
+  if (fp8_ds_mla) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla>(p, stream);
+  else launch_wgmma<__nv_bfloat16, KeySource::kSparse16>(p, stream);
 }
 
 }  // namespace dense
