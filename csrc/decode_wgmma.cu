@@ -171,9 +171,10 @@ template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTm
 
 // The producer warpgroup of the sparse sources. Thread t of its 128 handles list entry t / 2
 // of every unit, columns split between the two threads of a pair. Fills run in the order
-// the consumers release halves of the K buffers (unit pair a, b: K0 left, K1 right, K0
-// right, K1 left; see the consumer loop), each after the previous occupant's release
-// ("empty" mbarrier: one arrival per consumer warp). A fill's copies are issued, then the
+// the consumers release halves of the K buffers (unit pair a, b: K0 left, K0 right, K1 right,
+// K1 left; see the consumer loop), each after the previous occupant's release ("empty"
+// mbarrier: one arrival per consumer warp). K0 goes first: warpgroup 0's S of the next
+// pair needs it, and K1 is released only when that S is half issued (release_k1_left). A fill's copies are issued, then the
 // previous fill is finished (cp.async landed; fp8_ds_mla: dequantized) and announced on its
 // "full" mbarrier (128 arrivals); a fill whose buffer is still busy first finishes the one
 // before it, so a consumer never waits on a fill the producer holds back.
@@ -370,13 +371,20 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           const int slot = pos < len ? __ldg(list + pos) : -1;
           return (slot >= 0 && slot < p.num_slots) ? slot : -1;
         };
+        int slot_a = slot_of(pg_begin), slot_b = pg_begin + 1 < pg_end ? slot_of(pg_begin + 1) : -1;
         for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
           const bool has_b = pa_ + 1 < pg_end;
-          const int slot_a = slot_of(pa_), slot_b = has_b ? slot_of(pa_ + 1) : -1;
+          // the next pair's slots (loads in flight while this pair is issued)
+          const int next_a = pa_ + 2 < pg_end ? slot_of(pa_ + 2) : -1;
+          const int next_b = pa_ + 3 < pg_end ? slot_of(pa_ + 3) : -1;
           issue(0, 0, slot_a);
-          if (has_b) issue(1, 1, slot_b);
           issue(0, 1, slot_a);
-          if (has_b) issue(1, 0, slot_b);
+          if (has_b) {
+            issue(1, 1, slot_b);
+            issue(1, 0, slot_b);
+          }
+          slot_a = next_a;
+          slot_b = next_b;
         }
         u = Pr + pg_end;
       }
