@@ -1,7 +1,7 @@
 // The mma.sync m16n8k16 decode kernel, shared by dense paged decode (csrc/dense_decode.cu)
 // and sparse (DSA) decode / prefill (csrc/sparse_decode.cu). Tiles of 16 rows (rows = s_q * H
-// <= 16: TP8/TP16 head counts pay for no padded MMA rows); the sparse path also uses 32- and
-// 64-row tiles so that large H reads each gathered key once per 64 heads.
+// <= 16: TP8/TP16 head counts pay for no padded MMA rows); larger H goes to the wgmma kernel
+// (csrc/decode_wgmma.cu). The template also builds 32- and 64-row tiles (unused now).
 // Schedule and numbers: docs/kernels/dense_decode.md, docs/kernels/sparse_decode.md.
 //
 // Work unit: 32 consecutive key positions of one request (half a 64-token page; for sparse,

@@ -11,12 +11,11 @@ namespace {
 
 using namespace dense;
 
-// 16- and 32-row tiles: the mma.sync kernel (32-entry units); 64-row tiles: the wgmma kernel
-// with a gathering producer warpgroup (csrc/decode_wgmma.cu, 64-entry units).
-template <int kRows>
-void launch_sparse(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream) {
-  if (fp8_ds_mla) launch_mma_decode<__nv_bfloat16, kRows, KvFormat::kFp8DsMla, true>(p, stream);
-  else launch_mma_decode<__nv_bfloat16, kRows, KvFormat::k16, true>(p, stream);
+// 16-row tiles (H <= 16): the mma.sync kernel (32-entry units); 64-row tiles: the wgmma
+// kernel with a gathering producer warpgroup (csrc/decode_wgmma.cu, 64-entry units).
+void launch_sparse_mma16(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream) {
+  if (fp8_ds_mla) launch_mma_decode<__nv_bfloat16, 16, KvFormat::kFp8DsMla, true>(p, stream);
+  else launch_mma_decode<__nv_bfloat16, 16, KvFormat::k16, true>(p, stream);
 }
 
 }  // namespace
@@ -78,10 +77,9 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   p.group_s_q = int(s_q);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   switch (rows_per_cta) {
-    case 16: launch_sparse<16>(p, ds, stream); break;
-    case 32: launch_sparse<32>(p, ds, stream); break;
+    case 16: launch_sparse_mma16(p, ds, stream); break;
     case 64: launch_sparse_wgmma(p, ds, stream); break;
-    default: TORCH_CHECK(false, "sparse_mla_decode: rows_per_cta must be 16, 32 or 64, got ", rows_per_cta);
+    default: TORCH_CHECK(false, "sparse_mla_decode: rows_per_cta must be 16 or 64, got ", rows_per_cta);
   }
 }
 

@@ -213,7 +213,7 @@ def test_plan_sparse_decode_rejects():
 def test_sparse_tiles_cover_every_head_count():
     for heads in range(1, 129):
         rows, unit, ctas = ops._sparse_grid(heads, 132)
-        assert rows in (16, 32, 64) and heads <= rows * -(-heads // rows)
+        assert rows in (16, 64) and heads <= rows * -(-heads // rows)
         assert (rows == 16) == (heads <= 16) and ctas >= 66
         # the wgmma kernel (64-row tiles) walks 64-entry units, the mma.sync kernel 32
         assert unit == (64 if rows == 64 else 32)
