@@ -105,18 +105,6 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
   constexpr int kElemBytes = kFmt == KvFormat::k16 ? int(sizeof(T)) : 1;  // strides are in elements
   constexpr int kRowChunks = Cfg::kRowChunks;
 
-  // sparse: the index list of group r and its length
-  auto group_indices = [&](int r) {
-    return p.indices + int64_t(r / p.group_s_q) * p.idx_stride_b + int64_t(r % p.group_s_q) * p.idx_stride_s;
-  };
-  auto group_len = [&](int r) {
-    return p.topk_length != nullptr ? min(max(__ldg(p.topk_length + r / p.group_s_q), 0), p.topk) : p.topk;
-  };
-  // sparse: the slot of list entry pos, or -1 when it is past the list or out of range
-  auto slot_at = [&](const int* list, int len, int pos) {
-    const int slot = pos < len ? __ldg(list + pos) : -1;
-    return (slot >= 0 && slot < p.num_slots) ? slot : -1;
-  };
 
   // ---- producer: async load of one unit's 32 tokens into a stage
   int r_load = request_of_unit(P, p.batch, u_begin);
@@ -128,11 +116,11 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       return kFmt == KvFormat::k16 ? (t * kSmemRow + ch * 8) * int(sizeof(T)) : t * Cfg::kTokBytes + ch * 16;
     };
     if constexpr (kSparse) {
-      const int* list = group_indices(r_load);
-      const int len = group_len(r_load);
+      const int* list = sparse_group_indices(p, r_load);
+      const int len = sparse_group_len(p, r_load);
       for (int i = tid; i < kUnit * kRowChunks; i += Cfg::kThreads) {
         const int t = i / kRowChunks, ch = i % kRowChunks;
-        const int slot = slot_at(list, len, tok0 + t);  // -1: zero-filled (never read)
+        const int slot = sparse_slot_at(p, list, len, tok0 + t);  // -1: zero-filled (never read)
         const unsigned char* src =
             slot >= 0 ? kv + (int64_t(slot / kPage) * p.kv_stride_block + int64_t(slot % kPage) * p.kv_stride_tok) *
                                  kElemBytes + ch * 16
@@ -287,10 +275,10 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + r_cur);
     bool key_ok[2] = {true, true};  // sparse: this thread's two keys exist (same for every row)
     if constexpr (kSparse) {
-      const int* list = group_indices(r_cur);
-      const int len = group_len(r_cur);
+      const int* list = sparse_group_indices(p, r_cur);
+      const int len = sparse_group_len(p, r_cur);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) key_ok[e] = slot_at(list, len, tok0 + wn * 8 + qd * 2 + e) >= 0;
+      for (int e = 0; e < 2; ++e) key_ok[e] = sparse_slot_at(p, list, len, tok0 + wn * 8 + qd * 2 + e) >= 0;
     }
 
     // ---- S = Q K^T for 16 rows x 8 keys per warp, depth 576

@@ -337,14 +337,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if (!cta_units(p, u_begin, u_end, U)) return;
   __syncthreads();  // barriers initialised
 
-  // sparse: the index list of group r, its length, the slot of entry pos (-1: none)
-  auto group_indices = [&](int r) {
-    return p.indices + int64_t(r / p.group_s_q) * p.idx_stride_b + int64_t(r % p.group_s_q) * p.idx_stride_s;
-  };
-  auto group_len = [&](int r) {
-    return p.topk_length != nullptr ? min(max(__ldg(p.topk_length + r / p.group_s_q), 0), p.topk) : p.topk;
-  };
-
   if constexpr (kSparse) {
     if (wg == 2) {  // ---- producer warpgroup
       set_max_regs_dec<kProducerRegs>();
@@ -364,13 +356,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         while (u >= __ldg(P + r + 1)) ++r;
         const int Pr = __ldg(P + r);
         const int pg_begin = u - Pr, pg_end = min(u_end, __ldg(P + r + 1)) - Pr;
-        const int* list = group_indices(r);
-        const int len = group_len(r);
-        auto slot_of = [&](int pg) {
-          const int pos = pg * kKeys + prod.tk;
-          const int slot = pos < len ? __ldg(list + pos) : -1;
-          return (slot >= 0 && slot < p.num_slots) ? slot : -1;
-        };
+        const int* list = sparse_group_indices(p, r);
+        const int len = sparse_group_len(p, r);
+        auto slot_of = [&](int pg) { return sparse_slot_at(p, list, len, pg * kKeys + prod.tk); };
         int slot_a = slot_of(pg_begin), slot_b = pg_begin + 1 < pg_end ? slot_of(pg_begin + 1) : -1;
         for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
           const bool has_b = pa_ + 1 < pg_end;

@@ -105,26 +105,17 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
               "mla_decode: plan buffers do not match q");
   if (batch == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
-  DecodeParams p;
-  p.q = q.data_ptr();
-  p.q_stride_b = q.stride(0); p.q_stride_s = q.stride(1); p.q_stride_h = q.stride(2);
-  p.kv = kv_cache.data_ptr();
+  DecodeParams p =
+      decode_params(q, kv_cache, metadata, partial_out, partial_lse, out, lse, num_ctas, softmax_scale);
   p.kv_stride_block = kv_cache.stride(0); p.kv_stride_tok = kv_cache.stride(1);
   p.num_blocks = kv_cache.size(0);
   p.block_table = block_table.data_ptr<int>();
   p.bt_stride = block_table.stride(0);
   p.max_blocks = int(block_table.size(1));
   p.seq_lens = seq_lens.data_ptr<int>();
-  p.meta = metadata.data_ptr<int>();
-  p.part_out = partial_out.data_ptr<float>();
-  p.part_lse = partial_lse.data_ptr<float>();
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
   p.batch = int(batch); p.s_q = int(q.size(1)); p.heads = int(q.size(2)); p.rows = int(rows);
-  p.num_ctas = int(num_ctas);
   p.kv_scale_ptr = kv_scale.has_value() ? kv_scale->data_ptr<float>() : nullptr;
   p.kv_scale_value = float(kv_scale_value);
-  p.scale_log2 = float(softmax_scale * 1.4426950408889634);
   p.causal = causal;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;

@@ -51,6 +51,38 @@ struct DecodeParams {
   int64_t num_slots = 0;
 };
 
+// The fields every decode entry point (dense and sparse) fills alike: q, the cache, the
+// plan's buffers, out / lse, the grid and the softmax scale in the log2 domain.
+inline DecodeParams decode_params(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& metadata,
+                                  at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& out,
+                                  at::Tensor& lse, int64_t num_ctas, double softmax_scale) {
+  DecodeParams p;
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0); p.q_stride_s = q.stride(1); p.q_stride_h = q.stride(2);
+  p.kv = kv_cache.data_ptr();
+  p.meta = metadata.data_ptr<int>();
+  p.part_out = partial_out.data_ptr<float>();
+  p.part_lse = partial_lse.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.num_ctas = int(num_ctas);
+  p.scale_log2 = float(softmax_scale * 1.4426950408889634);
+  return p;
+}
+
+// Sparse: the index list of query group r, its length, and the slot of list entry pos (-1
+// when pos is past the length or the slot outside [0, num_slots): skipped like -1).
+__device__ __forceinline__ const int* sparse_group_indices(const DecodeParams& p, int r) {
+  return p.indices + int64_t(r / p.group_s_q) * p.idx_stride_b + int64_t(r % p.group_s_q) * p.idx_stride_s;
+}
+__device__ __forceinline__ int sparse_group_len(const DecodeParams& p, int r) {
+  return p.topk_length != nullptr ? min(max(__ldg(p.topk_length + r / p.group_s_q), 0), p.topk) : p.topk;
+}
+__device__ __forceinline__ int sparse_slot_at(const DecodeParams& p, const int* list, int len, int pos) {
+  const int slot = pos < len ? __ldg(list + pos) : -1;
+  return (slot >= 0 && slot < p.num_slots) ? slot : -1;
+}
+
 template <typename T> struct Mma;
 
 template <> struct Mma<__nv_bfloat16> {

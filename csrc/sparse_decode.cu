@@ -47,10 +47,8 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
               "sparse_mla_decode: plan buffers do not match q");
   if (groups == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
-  DecodeParams p;
-  p.q = q.data_ptr();
-  p.q_stride_b = q.stride(0); p.q_stride_s = q.stride(1); p.q_stride_h = q.stride(2);
-  p.kv = kv_cache.data_ptr();
+  DecodeParams p =
+      decode_params(q, kv_cache, metadata, partial_out, partial_lse, out, lse, num_ctas, softmax_scale);
   if (kv_cache.dim() == 3) {  // paged: slot = block * 64 + offset
     p.kv_stride_block = kv_cache.stride(0); p.kv_stride_tok = kv_cache.stride(1);
     p.num_slots = kv_cache.size(0) * kPage;
@@ -60,15 +58,8 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   }
   p.num_blocks = 0;
   p.block_table = nullptr; p.bt_stride = 0; p.max_blocks = 0; p.seq_lens = nullptr;
-  p.meta = metadata.data_ptr<int>();
-  p.part_out = partial_out.data_ptr<float>();
-  p.part_lse = partial_lse.data_ptr<float>();
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
   p.batch = int(groups); p.s_q = 1; p.heads = int(heads); p.rows = int(heads);
-  p.num_ctas = int(num_ctas);
   p.kv_scale_ptr = nullptr; p.kv_scale_value = 1.f;
-  p.scale_log2 = float(softmax_scale * 1.4426950408889634);
   p.causal = false;
   p.indices = indices.data_ptr<int>();
   p.idx_stride_b = indices.stride(0); p.idx_stride_s = indices.stride(1);

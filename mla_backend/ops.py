@@ -122,6 +122,15 @@ def _grid(rows: int, kv_fp8: bool, num_sms: int) -> tuple[int, int, int]:
     return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
 
 
+def _out_and_lse(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, s_q, H, 512] in q's dtype (the caller's, already checked, or new) and a new
+    lse [B, s_q, H] float32, for q [B, s_q, H, 576]."""
+    batch, s_q, heads, _ = q.shape
+    if out is None:
+        out = torch.empty(batch, s_q, heads, D_V, dtype=q.dtype, device=q.device)
+    return out, torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
+
+
 def _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype) -> torch.Tensor:
     seq_lens = _require_tensor("seq_lens", seq_lens)
     _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
@@ -356,10 +365,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out)
     _extension.require("mla_decode")
     _require_hopper("mla_decode", q.device)
-    batch, s_q, heads, _ = q.shape
-    if out is None:
-        out = torch.empty(batch, s_q, heads, D_V, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
+    out, lse = _out_and_lse(q, out)
     torch.ops.mla_backend.mla_decode(
         q, kv_cache, block_table, seq_lens, plan.metadata, plan.partial_out, plan.partial_lse,
         out, lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(causal),
@@ -614,10 +620,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
 def _run_sparse(q, kv, indices, plan, softmax_scale, topk_length, out):
     _extension.require("sparse_mla_decode")
     _require_hopper("sparse_mla_decode", q.device)
-    batch, s_q, heads, _ = q.shape
-    if out is None:
-        out = torch.empty(batch, s_q, heads, D_V, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
+    out, lse = _out_and_lse(q, out)
     torch.ops.mla_backend.sparse_mla_decode(
         q, kv, indices, topk_length, plan.metadata, plan.partial_out, plan.partial_lse, out,
         lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale))
