@@ -1,12 +1,14 @@
 // MLA decode for 64-row tiles with wgmma (sm_90a): two consumer warpgroups alternating
 // 64-key units ("seesaw"; the idea is FlashMLA's, this code is ours). One kernel template,
-// three key sources:
-//   kPagedTma   dense paged decode: TMA loads whole 64-token pages (256 threads);
+// four key sources:
+//   kPagedTma   dense paged decode, 16-bit cache: TMA loads whole 64-token pages (256 threads);
+//   kPagedFp8   dense paged decode, per-tensor fp8 e4m3 cache (576 bytes per token),
 //   kSparse16   sparse (DSA) decode / prefill over a bf16 cache, and
-//   kSparseDsMla                 ... over the 656-byte fp8_ds_mla cache: a third, producer
-//               warpgroup gathers the 64 listed slots of each unit with cp.async (384 threads)
-//               and, for fp8_ds_mla, dequantizes them to bf16 in shared memory, so the
-//               consumers see the same bf16 tile as from a bf16 cache.
+//   kSparseDsMla                 ... over the 656-byte fp8_ds_mla cache: for these three a
+//               third, producer warpgroup copies the 64 tokens of each unit (a page's, or the
+//               listed slots) with cp.async (384 threads) and, for the fp8 caches, converts
+//               them to 16-bit values in shared memory, so the consumers see the same tile as
+//               from a 16-bit cache.
 //
 // A CTA works on one 64-row tile; its unit of work is 64 keys (a page, or 64 list entries).
 // Units of a request piece go in pairs: warpgroup 0 owns even units (buffer K0), warpgroup 1
@@ -38,7 +40,7 @@ namespace dense {
 namespace {
 
 // Where a unit's keys come from (see the file comment).
-enum class KeySource { kPagedTma, kSparse16, kSparseDsMla };
+enum class KeySource { kPagedTma, kPagedFp8, kSparse16, kSparseDsMla };
 
 constexpr int kRows = 64;
 constexpr int kKeys = kUnitWgmma;                    // 64 keys per unit
@@ -168,8 +170,9 @@ __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* ma
 }
 
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;
+template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparseDsMla;
 
-// The producer warpgroup of the sparse sources. Thread t of its 128 handles list entry t / 2
+// The producer warpgroup of every source but kPagedTma. Thread t of its 128 handles list entry t / 2
 // of every unit, columns split between the two threads of a pair. Fills run in the order
 // the consumers release halves of the K buffers (unit pair a, b: K0 left, K0 right, K1 right,
 // K1 left; see the consumer loop), each after the previous occupant's release ("empty"
@@ -177,13 +180,14 @@ template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTm
 // pair needs it, and K1 is released only when that S is half issued (release_k1_left). A fill's copies are issued, then the
 // previous fill is finished (cp.async landed; fp8_ds_mla: dequantized) and announced on its
 // "full" mbarrier (128 arrivals); a fill whose buffer is still busy first finishes the one
-// before it, so a consumer never waits on a fill the producer holds back.
-template <KeySource kSrc>
-struct SparseProducer {
+// before it, so a consumer never waits on a fill the producer holds back. T: the tile's
+// element type (the fp8 caches are converted to it).
+template <typename T, KeySource kSrc>
+struct KeyProducer {
   const DecodeParams& p;
   const unsigned char* kv;
   uint32_t kbuf0, bars_full, bars_empty;
-  uint32_t* masks;  // [2 buffers][4 warps]: bit 2j of word w = entry 16w + j of the unit is valid
+  uint32_t* masks;  // sparse: [2 buffers][4 warps]: bit 2j of word w = entry 16w + j of the unit is valid
   int tk, part, warp, lane;
   uint32_t used = 0, empty_phase = 0;  // bit 2b + h: half h of buffer b filled before / parity
 
@@ -195,7 +199,7 @@ struct SparseProducer {
 
   struct Fill {
     int b = -1, h = 0;
-    float scale = 0.f;  // fp8_ds_mla: this thread's tile scale
+    float scale = 1.f;  // fp8_ds_mla: this thread's tile scale (per-tensor fp8: folded elsewhere)
   };
 
   // half h of buffer b from cache slot `slot` (-1: zeros, masked)
@@ -215,8 +219,10 @@ struct SparseProducer {
       empty_phase ^= 1u << bit;
     }
     used |= 1u << bit;
-    const uint32_t valid = __ballot_sync(0xffffffff, slot >= 0);
-    if (lane == 0) masks[b * 4 + warp] = valid;
+    if constexpr (kSrc != KeySource::kPagedFp8) {  // dense masks by position (seq_len, causal)
+      const uint32_t valid = __ballot_sync(0xffffffff, slot >= 0);
+      if (lane == 0) masks[b * 4 + warp] = valid;
+    }
     const bool ok = slot >= 0;
     const unsigned char* row = ok ? token_row(slot) : kv;
     const int nbytes = ok ? 16 : 0;
@@ -232,20 +238,30 @@ struct SparseProducer {
         if (j < nu) cp_async_16s(dst + sw128_offset(tk, (u0 + j) * 8), row + (u0 + j) * 16, nbytes);
       }
     } else {
-      // 128 e4m3 values (this thread's scale tile 2h + part) staged raw: units 0-3 in chunk
-      // 4h + 1, units 4-7 in chunk 4h + 3, at this entry's 128-byte row (see finish)
+      // 128 e4m3 values (fp8_ds_mla: this thread's scale tile 2h + part) staged raw: units
+      // 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at this entry's 128-byte row (see
+      // finish)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 + (part * 4 + (j & 3)) * 16;
         cp_async_16s(stage, row + h * 256 + part * 128 + j * 16, nbytes);
       }
-      if (h == 1) {  // rope: 64 bf16 at byte 528, straight to chunk 8
+      if (h == 1) {
+        if constexpr (kSrc == KeySource::kSparseDsMla) {  // rope: 64 bf16 at byte 528, straight to chunk 8
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          cp_async_16s(dst + sw128_offset(tk, 512 + part * 32 + j * 8), row + 528 + part * 64 + j * 16, nbytes);
+          for (int j = 0; j < 4; ++j) {
+            cp_async_16s(dst + sw128_offset(tk, 512 + part * 32 + j * 8), row + 528 + part * 64 + j * 16, nbytes);
+          }
+        } else {  // rope: 64 e4m3 at byte 512, staged raw in chunk 8's row (bytes 32 part..)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            cp_async_16s(dst + 8 * kChunkBytes + tk * 128 + (part * 2 + j) * 16, row + 512 + part * 32 + j * 16, nbytes);
+          }
         }
       }
-      f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + part) : 0.f;
+      if constexpr (kSrc == KeySource::kSparseDsMla) {
+        f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + part) : 0.f;
+      }
     }
     cp_async_commit();
     return f;
@@ -254,44 +270,58 @@ struct SparseProducer {
   // the fill's copies have landed (caller waited): dequantize, publish to the async proxy,
   // announce
   __device__ void finish(const Fill& f) {
-    if constexpr (kSrc == KeySource::kSparseDsMla) {
+    if constexpr (kFp8Of<kSrc>) {
       // raw units j < 4 sit in chunk 4h+1 and become columns of chunk 4h + 2*part; units
-      // j >= 4 sit in chunk 4h+3 and become columns of chunk 4h + 2*part + 1. An entry's
-      // 128-byte row in each chunk belongs to its two threads (one warp): the warp reads all
-      // its raw units before any lands on a raw row.
+      // j >= 4 sit in chunk 4h+3 and become columns of chunk 4h + 2*part + 1 (per-tensor fp8,
+      // h = 1: the raw rope in chunk 8 becomes chunk 8). An entry's 128-byte row in each chunk
+      // belongs to its two threads (one warp): the warp reads all its raw units before any
+      // lands on a raw row.
       const uint32_t dst = kbuf(f.b);
       unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(dst));
       auto raw_at = [&](int j) {
         return *reinterpret_cast<const uint4*>(gen + (4 * f.h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 +
                                                (part * 4 + (j & 3)) * 16);
       };
-      auto put = [&](int j, uint4 raw) {
+      auto put_at = [&](int col, uint4 raw) {
         uint32_t v[8];
-        convert_e4m3x16<__nv_bfloat16>(raw, f.scale, v);
-        const int col = 256 * f.h + part * 128 + j * 16;
+        if constexpr (kSrc == KeySource::kSparseDsMla) convert_e4m3x16<T>(raw, f.scale, v);
+        else convert_e4m3x16<T>(raw, 1.f, v);  // exact: kv_scale is folded into S and O
         *reinterpret_cast<uint4*>(gen + sw128_offset(tk, col)) = make_uint4(v[0], v[1], v[2], v[3]);
         *reinterpret_cast<uint4*>(gen + sw128_offset(tk, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
       };
+      auto put = [&](int j, uint4 raw) { put_at(256 * f.h + part * 128 + j * 16, raw); };
 #pragma unroll
       for (int j = 0; j < 4; ++j) put(j, raw_at(j));  // to chunks 4h, 4h+2: no raw there
-      uint4 hi[4];
+      uint4 hi[4], rope[2];
 #pragma unroll
       for (int j = 0; j < 4; ++j) hi[j] = raw_at(4 + j);
+      const bool rope_here = kSrc == KeySource::kPagedFp8 && f.h == 1;
+      if (rope_here) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          rope[j] = *reinterpret_cast<const uint4*>(gen + 8 * kChunkBytes + tk * 128 + (part * 2 + j) * 16);
+        }
+      }
       __syncwarp();  // every raw unit of the warp's rows is in registers or already used
 #pragma unroll
       for (int j = 0; j < 4; ++j) put(4 + j, hi[j]);
+      if (rope_here) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) put_at(512 + part * 32 + j * 16, rope[j]);
+      }
     }
     fence_proxy_async();
     mbar_arrive(bars_full + (2 * f.b + f.h) * 8);
   }
 };
 
-// kPagedTma: T = bf16 or fp16, dense paged decode. Sparse sources: T = bf16, requests are
-// query groups (DecodeParams).
+// Dense sources: T = bf16 or fp16 (q's type), requests are batch entries. Sparse sources:
+// T = bf16, requests are query groups (DecodeParams).
 template <typename T, KeySource kSrc>
 __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
                                                                          const __grid_constant__ CUtensorMap kv_map) {
-  constexpr bool kSparse = kSrc != KeySource::kPagedTma;
+  constexpr bool kSparse = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;
+  constexpr bool kProduced = kSrc != KeySource::kPagedTma;  // a producer warpgroup fills K
   extern __shared__ unsigned char smem_raw[];
   // SW128 atoms must start on 1024-byte boundaries
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -300,15 +330,16 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   const uint32_t sQ = base;
   auto sKbuf = [&](int b) { return base + (1 + b) * kTileBytes; };
   const uint32_t sP0 = base + 3 * kTileBytes;
-  // P1: dense, Q's rope chunk once it is in registers; sparse (fewer registers beside the
-  // producer), K1's rope chunk, dead once S of its unit is done
-  const uint32_t sP1 = kSparse ? sKbuf(1) + 8 * kChunkBytes : sQ + 8 * kChunkBytes;
+  // P1: kPagedTma, Q's rope chunk once it is in registers; with a producer (fewer registers
+  // left), K1's rope chunk, dead once S of its unit is done
+  const uint32_t sP1 = kProduced ? sKbuf(1) + 8 * kChunkBytes : sQ + 8 * kChunkBytes;
   float* sM = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);  // running max (log2)
   float* sScale0 = sM + kRows;
   float* sScale1 = sScale0 + kRows;
   float* sSum = sScale1 + kRows;                                           // [2][64]
-  // mbarriers. Dense: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8. Sparse:
-  // "full" of half h of buffer b at bars + (2b + h) * 8, "empty" at bars + (4 + 2b + h) * 8.
+  // mbarriers. kPagedTma: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8. With a
+  // producer: "full" of half h of buffer b at bars + (2b + h) * 8, "empty" at
+  // bars + (4 + 2b + h) * 8.
   const uint32_t bars = sP0 + kPBytes + 5 * kRows * sizeof(float);
   uint32_t* sMask = reinterpret_cast<uint32_t*>(smem + (bars - base) + 18 * 8);  // sparse: [2][4]
 
@@ -318,7 +349,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   const int qd = lane & 3;
   const bool wg_leader = wtid == 0;
   if (tid == 0) {
-    if constexpr (kSparse) {
+    if constexpr (kProduced) {
       for (int i = 0; i < 4; ++i) mbar_init(bars + i * 8, 128);      // full: every producer thread
       // empty: every warp of the releasing warpgroup; K1's right half (with P1): both
       for (int i = 4; i < 8; ++i) mbar_init(bars + i * 8, i == 7 ? 8 : 4);
@@ -329,6 +360,13 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   }
   pdl_launch_dependents();
   pdl_wait();  // the plan, q, the indices and the cache are written by earlier kernels
+  // per-tensor fp8: S = kv_scale * (q . k8) and O = kv_scale * (P . v8) (read again in the
+  // epilogue rather than held in a register); 1 otherwise
+  auto read_kv_scale = [&] {
+    return kSrc == KeySource::kPagedFp8 ? (p.kv_scale_ptr != nullptr ? __ldg(p.kv_scale_ptr) : p.kv_scale_value)
+                                        : 1.f;
+  };
+  const float scale_log2 = p.scale_log2 * read_kv_scale();
 
   const int* P = p.meta;
   const int cta = blockIdx.x;
@@ -337,12 +375,12 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if (!cta_units(p, u_begin, u_end, U)) return;
   __syncthreads();  // barriers initialised
 
-  if constexpr (kSparse) {
+  if constexpr (kProduced) {
     if (wg == 2) {  // ---- producer warpgroup
       set_max_regs_dec<kProducerRegs>();
-      SparseProducer<kSrc> prod{p, static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + 4 * 8, sMask,
+      KeyProducer<T, kSrc> prod{p, static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + 4 * 8, sMask,
                                 wtid >> 1, wtid & 1, wtid >> 5, lane};
-      typename SparseProducer<kSrc>::Fill pending;
+      typename KeyProducer<T, kSrc>::Fill pending;
       auto issue = [&](int b, int h, int slot) {
         const auto f = prod.issue(b, h, slot, pending);
         if (pending.b >= 0) {
@@ -356,9 +394,18 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         while (u >= __ldg(P + r + 1)) ++r;
         const int Pr = __ldg(P + r);
         const int pg_begin = u - Pr, pg_end = min(u_end, __ldg(P + r + 1)) - Pr;
-        const int* list = sparse_group_indices(p, r);
-        const int len = sparse_group_len(p, r);
-        auto slot_of = [&](int pg) { return sparse_slot_at(p, list, len, pg * kKeys + prod.tk); };
+        // cache slot of this thread's entry of unit pg (-1: zero-filled, masked)
+        const int* list = kSparse ? sparse_group_indices(p, r) : nullptr;
+        const int len = kSparse ? sparse_group_len(p, r) : __ldg(p.seq_lens + r);
+        auto slot_of = [&](int pg) {
+          if constexpr (kSparse) {
+            return sparse_slot_at(p, list, len, pg * kKeys + prod.tk);
+          } else {  // dense: token pg * 64 + tk of the request, on its page's block
+            return pg < p.max_blocks && pg * kKeys + prod.tk < len
+                       ? __ldg(p.block_table + int64_t(r) * p.bt_stride + pg) * kPage + prod.tk
+                       : -1;
+          }
+        };
         int slot_a = slot_of(pg_begin), slot_b = pg_begin + 1 < pg_end ? slot_of(pg_begin + 1) : -1;
         for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
           const bool has_b = pa_ + 1 < pg_end;
@@ -386,12 +433,12 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   }
   // consumers from here: two warpgroups, 256 threads
   auto consumers_sync = [&] {
-    if constexpr (kSparse) named_sync(kBarConsumers, kConsumerThreads);
+    if constexpr (kProduced) named_sync(kBarConsumers, kConsumerThreads);
     else __syncthreads();
   };
 
-  uint32_t phases = 0;  // dense: bit (9b + c): parity of buffer b chunk c's next completion;
-                        // sparse: bit (2b + h) of half h's "full" barrier
+  uint32_t phases = 0;  // kPagedTma: bit (9b + c): parity of buffer b chunk c's next completion;
+                        // with a producer: bit (2b + h) of half h's "full" barrier
   const T* qbase = static_cast<const T*>(p.q);
 
   // block id of page pi of request r (0 past the block table: the page is then masked and
@@ -409,10 +456,10 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       tma_load_box(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, blk, bar);
     }
   };
-  // half h of buffer b is no longer read by this warpgroup (its wgmmas retired): dense, TMA
-  // the next page there (if there is one); sparse, tell the producer
+  // half h of buffer b is no longer read by this warpgroup (its wgmmas retired): kPagedTma,
+  // TMA the next page there (if there is one); otherwise tell the producer
   auto release = [&](int b, int h, bool has_next, int next_blk) {
-    if constexpr (kSparse) {
+    if constexpr (kProduced) {
       if (lane == 0) {
         mbar_arrive(bars + (4 + 2 * b + h) * 8);
         // K1's left half goes when warpgroup 0's PV with P1 retired: so does P1, in chunk 8
@@ -423,7 +470,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     }
   };
   auto wait_chunk = [&](int b, int c) {
-    if constexpr (kSparse) {
+    if constexpr (kProduced) {
       if (c != 0 && c != 4) return;  // one barrier per half
       const int bit = 2 * b + (c >> 2);
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
@@ -436,7 +483,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   };
   float o[128];
   float s[32];        // S of this warpgroup's current page, then its P (fp32)
-  uint32_t q8[4][4];  // dense: Q rope chunk (columns 512-575) as wgmma A fragments, 4 k-steps
+  uint32_t q8[4][4];  // kPagedTma: Q rope chunk (columns 512-575) as wgmma A fragments, 4 k-steps
   float l_run[2];
 
   // S = Q K^T for the page in buffer b, 9 chunks of 4 k-steps, each chunk issued (one commit
@@ -455,7 +502,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const bool zero = i == 0 && k == 0;
-        if (kSparse || c < 8) {
+        if (kProduced || c < 8) {
           const uint32_t koff = c * kChunkBytes + k * 32;
           gmma_ss<typename Gmma<T>::QK_SS>(make_desc(sQ + koff, 16, 1024), make_desc(sKbuf(b) + koff, 16, 1024), s,
                                            !zero, std::make_index_sequence<32>{});
@@ -491,9 +538,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     cute::warpgroup_commit_batch();
   };
   // rows >= n_valid of a page's V (chunks 0-7) hold whatever the cache has there: zero them
-  // (sparse: the producer zero-fills entries that name no slot)
+  // (a producer zero-fills the entries it does not copy)
   auto zero_tail = [&](int b, int n_valid) {
-    if constexpr (!kSparse) {
+    if constexpr (!kProduced) {
       if (n_valid >= kKeys) return;
       for (int i = wtid; i < (kKeys - n_valid) * 64; i += 128) {
         const int t = n_valid + i / 64, c = i % 64;  // 8 chunks x 8 16-byte units per row
@@ -523,7 +570,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           const int key = n * 8 + qd * 2 + e;
           const bool ok = kSparse ? (valid[key >> 4] >> (2 * (key & 15))) & 1 : tok0 + key < limit;
           float& v = s[n * 4 + hr * 2 + e];
-          v = ok ? v * p.scale_log2 : -INFINITY;
+          v = ok ? v * scale_log2 : -INFINITY;
           mx = fmaxf(mx, v);
         }
       }
@@ -590,7 +637,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + r);
     // dense prologue: first pages of the piece (both buffers are free: the previous piece
     // ended with a CTA barrier after every wgmma retired)
-    if (!kSparse && wg_leader) {
+    if (!kProduced && wg_leader) {
       const int pg = pg_begin + wg;
       if (pg < pg_end) {
         const int blk = block_of(r, pg);
@@ -615,7 +662,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     if (tid < kRows) sM[tid] = kNoMax;
     fence_proxy_async();
     consumers_sync();
-    if constexpr (!kSparse) {
+    if constexpr (!kProduced) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {  // Q rope chunk -> registers (A fragments)
         const int row = (wtid >> 5) * 16 + (lane & 15);
@@ -640,7 +687,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       const bool has_b = pb < pg_end;
       // block ids of the next pair, read now so the load latency hides behind this pair
       int blk_a2 = 0, blk_b2 = 0;
-      if (!kSparse && wg_leader) {
+      if (!kProduced && wg_leader) {
         if (pa_ + 2 < pg_end) blk_a2 = block_of(r, pa_ + 2);
         if (pb + 2 < pg_end) blk_b2 = block_of(r, pb + 2);
       }
@@ -770,12 +817,13 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     const float mt[2] = {sM[wrow], sM[wrow + 8]};
     const int Pr1 = __ldg(P + r + 1);
     const bool split = (Pr / U) != ((Pr1 - 1) / U);
+    const float kv_scale = read_kv_scale();
     const int slot = Pr <= u_begin ? 0 : 1;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + wrow + hr * 8;
       if (row >= p.rows) continue;
-      const float inv_l = lt[hr] > 0.f ? 1.f / lt[hr] : 0.f;
+      const float inv_l = lt[hr] > 0.f ? kv_scale / lt[hr] : 0.f;  // kv_scale: O = kv_scale * P.v8
       const float lse_row = lt[hr] > 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
       if (!split) {
         T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv + wg * 256;
@@ -796,7 +844,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
       }
     }
-    consumers_sync();  // sM, sSum, sQ (and, dense, both K buffers) are reused by the next piece
+    consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers) are reused by the next piece
     u = Pr + pg_end;
   }
 }
@@ -832,7 +880,7 @@ void launch_wgmma(const DecodeParams& p, cudaStream_t stream) {
   auto kernel = decode_wgmma_kernel<T, kSrc>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
-  CUtensorMap map{};  // sparse sources gather without a tensor map
+  CUtensorMap map{};  // the producer sources copy without a tensor map
   if constexpr (kSrc == KeySource::kPagedTma) map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
   launch_pdl(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, p, map);
   launch_combine<T>(p, stream);
@@ -840,9 +888,14 @@ void launch_wgmma(const DecodeParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-void launch_decode_wgmma(const DecodeParams& p, bool bf16, cudaStream_t stream) {
-  if (bf16) launch_wgmma<__nv_bfloat16, KeySource::kPagedTma>(p, stream);
-  else launch_wgmma<__half, KeySource::kPagedTma>(p, stream);
+void launch_decode_wgmma(const DecodeParams& p, bool bf16, bool fp8, cudaStream_t stream) {
+  if (fp8) {
+    if (bf16) launch_wgmma<__nv_bfloat16, KeySource::kPagedFp8>(p, stream);
+    else launch_wgmma<__half, KeySource::kPagedFp8>(p, stream);
+  } else {
+    if (bf16) launch_wgmma<__nv_bfloat16, KeySource::kPagedTma>(p, stream);
+    else launch_wgmma<__half, KeySource::kPagedTma>(p, stream);
+  }
 }
 
 void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream) {

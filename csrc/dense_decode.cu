@@ -1,6 +1,6 @@
 // Dense paged MLA decode: the planner and the host entry point. Kernels: the mma.sync
-// kernel for 16-row tiles (csrc/decode_mma.cuh; rows = s_q * H <= 16 and every fp8 cache)
-// and the wgmma kernel for 64-row tiles (csrc/decode_wgmma.cu).
+// kernel for 16-row tiles (csrc/decode_mma.cuh; rows = s_q * H <= 16) and the wgmma kernel
+// for 64-row tiles (csrc/decode_wgmma.cu), each over a 16-bit or a per-tensor fp8 cache.
 // Schedule and numbers: docs/kernels/dense_decode.md.
 #include <climits>
 
@@ -94,7 +94,6 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == kPage && kv_cache.size(2) == kDqk &&
                   kv_cache.stride(2) == 1 && (fp8 || kv_cache.scalar_type() == q.scalar_type()),
               "mla_decode: bad kv_cache");
-  TORCH_CHECK(!fp8 || rows_per_cta == 16, "mla_decode: an fp8 cache runs on 16-row tiles");
   TORCH_CHECK(!kv_scale.has_value() || (kv_scale->is_cuda() && kv_scale->scalar_type() == at::kFloat &&
                                         kv_scale->numel() == 1),
               "mla_decode: kv_scale must be a 1-element float32 CUDA tensor");
@@ -129,7 +128,7 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
       else launch_mma_decode<__half, 16, KvFormat::k16, false>(p, stream);
     }
   } else if (rows_per_cta == 64) {
-    dense::launch_decode_wgmma(p, bf16, stream);
+    dense::launch_decode_wgmma(p, bf16, fp8, stream);
   } else {
     TORCH_CHECK(false, "mla_decode: rows_per_cta must be 16 or 64, got ", rows_per_cta);
   }

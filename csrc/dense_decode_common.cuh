@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) dense_decode_combine_kerne
 // Launchers (host): tokens per work unit are 32 for the mma.sync kernel, 64 for wgmma.
 constexpr int kUnitMma = 32;
 constexpr int kUnitWgmma = 64;
-void launch_decode_wgmma(const DecodeParams& p, bool bf16, cudaStream_t stream);
+void launch_decode_wgmma(const DecodeParams& p, bool bf16, bool fp8, cudaStream_t stream);
 void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream);
 
 template <typename T>

@@ -104,20 +104,21 @@ class DecodePlan:
         return self.q_tokens_per_req * self.num_heads
 
 
-def _tile(rows: int, kv_fp8: bool) -> tuple[int, int, int]:
+def _tile(rows: int) -> tuple[int, int, int]:
     """(rows per CTA, tokens per work unit, CTAs per SM) of the kernel serving `rows` query
-    rows. Up to 16 rows, and every fp8 cache: the mma.sync kernel, so few heads (TP8 /
-    TP16) pay for no padded rows (16-row tiles, two CTAs per SM); more: the wgmma kernel,
-    64-row tiles, one 64-token page per unit. Must agree with the kernels' shared memory."""
-    if rows <= 16 or kv_fp8:
+    rows, for a 16-bit and a per-tensor fp8 cache alike (both kernels convert fp8 pages in
+    shared memory). Up to 16 rows: the mma.sync kernel, so few heads (TP8 / TP16) pay for no
+    padded rows (16-row tiles, two CTAs per SM); more: the wgmma kernel, 64-row tiles, one
+    64-token page per unit. Must agree with the kernels' shared memory."""
+    if rows <= 16:
         return 16, 32, 2
     return 64, 64, 1
 
 
-def _grid(rows: int, kv_fp8: bool, num_sms: int) -> tuple[int, int, int]:
+def _grid(rows: int, num_sms: int) -> tuple[int, int, int]:
     """(rows per CTA, tokens per unit, CTAs) of one step: one wave, every CTA the same number
     of units (the planner's closed form)."""
-    rows_per_cta, unit_tokens, ctas_per_sm = _tile(rows, kv_fp8)
+    rows_per_cta, unit_tokens, ctas_per_sm = _tile(rows)
     m_tiles = math.ceil(rows / rows_per_cta)
     return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
 
@@ -181,7 +182,7 @@ class DecodeWorkspace:
         plan = self.plans.get((batch, s_q))
         if plan is None:
             rows = s_q * self.num_heads
-            rows_per_cta, unit_tokens, num_ctas = _grid(rows, self.kv_fp8, self.num_sms)
+            rows_per_cta, unit_tokens, num_ctas = _grid(rows, self.num_sms)
             plan = DecodePlan(
                 batch=batch, q_tokens_per_req=s_q, num_heads=self.num_heads, kv_fp8=self.kv_fp8,
                 rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
@@ -196,7 +197,7 @@ class DecodeWorkspace:
 def _workspace(max_batch: int, q_tokens: range | list[int], num_heads: int, kv_fp8: bool,
                device: torch.device, num_sms: int) -> DecodeWorkspace:
     """Buffers for every plan with batch <= max_batch and s_q in q_tokens."""
-    part_rows = max(2 * _grid(s_q * num_heads, kv_fp8, num_sms)[2] * s_q * num_heads
+    part_rows = max(2 * _grid(s_q * num_heads, num_sms)[2] * s_q * num_heads
                     for s_q in q_tokens)
     return DecodeWorkspace(
         max_batch=max_batch, max_q_tokens_per_req=max(q_tokens), num_heads=num_heads,

@@ -217,3 +217,15 @@ def test_sparse_tiles_cover_every_head_count():
         assert (rows == 16) == (heads <= 16) and ctas >= 66
         # the wgmma kernel (64-row tiles) walks 64-entry units, the mma.sync kernel 32
         assert unit == (64 if rows == 64 else 32)
+
+
+def test_dense_tiles_for_every_row_count_and_both_cache_kinds():
+    # the plan's tiles depend on rows = s_q * H alone: a per-tensor fp8 cache runs on the same
+    # kernels as a 16-bit one (rows > 16: the wgmma kernel with its converting producer)
+    for rows in range(1, 8 * 128 + 1):
+        per_cta, unit, ctas = ops._grid(rows, 132)
+        if rows <= 16:
+            assert (per_cta, unit, ctas) == (16, 32, 264)
+        else:
+            m_tiles = -(-rows // 64)
+            assert (per_cta, unit) == (64, 64) and ctas == max(1, 132 // m_tiles)

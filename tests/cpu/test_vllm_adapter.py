@@ -186,8 +186,7 @@ def fake_planner(monkeypatch):
         assert isinstance(workspace, _FakeWorkspace)
         calls.append({"seq_lens": seq_lens.tolist(), "s_q": s_q, "heads": heads,
                       "kv_cache_dtype": kv_cache_dtype})
-        rows_per_cta, unit_tokens, num_ctas = ops._grid(s_q * heads, kv_cache_dtype is not None,
-                                                        132)
+        rows_per_cta, unit_tokens, num_ctas = ops._grid(s_q * heads, 132)
         min_units = -(-ops.MIN_TOKENS_PER_CTA // unit_tokens)
         meta = ref.plan_decode_metadata(seq_lens, num_ctas, min_units, unit_tokens)
         return ops.DecodePlan(batch=seq_lens.shape[0], q_tokens_per_req=s_q, num_heads=heads,

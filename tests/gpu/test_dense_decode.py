@@ -240,30 +240,39 @@ def _check_fp8(lens, s_q, heads, dtype=torch.bfloat16, scale_as_tensor=False, st
     assert torch.allclose(lse[~empty], want_lse[~empty], atol=2e-3)
 
 
-@pytest.mark.parametrize("heads", [1, 16, 64, 128])
+# rows = s_q * H <= 16: the mma.sync kernel; more: the wgmma kernel's fp8 producer
+@pytest.mark.parametrize("heads", [1, 16, 20, 64, 128])
 @pytest.mark.parametrize("s_q", [1, 2, 4])
 def test_fp8_cache_heads_and_query_lengths(heads, s_q):
     _check_fp8([1, 37, 700, 0, 2049], s_q, heads)
 
 
-def test_fp8_cache_fp16_tensor_scale_strided():
-    _check_fp8([300, 5, 1500], 2, 16, dtype=torch.float16, scale_as_tensor=True, strided=True)
+@pytest.mark.parametrize("heads", [16, 64])
+def test_fp8_cache_fp16_tensor_scale_strided(heads):
+    _check_fp8([300, 5, 1500], 2, heads, dtype=torch.float16, scale_as_tensor=True, strided=True)
 
 
-def test_fp8_cache_cuda_graph():
+@pytest.mark.parametrize("heads", [8, 128])
+def test_fp8_cache_one_long_request_many_splits_and_page_tails(heads):
+    # one request split over every CTA, plus lengths ending 1 and 63 keys into a page
+    _check_fp8([30001, 65, 127], 1, heads)
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+def test_fp8_cache_cuda_graph(heads):
     from mla_backend import formats
     lens = [2000, 64, 900]
-    q, cache16, table, seq = paged_case(lens, 1, 16, device="cuda", seed=_fresh_seed())
+    q, cache16, table, seq = paged_case(lens, 1, heads, device="cuda", seed=_fresh_seed())
     cache = formats.quantize_fp8_per_tensor(cache16, 0.02)
     scale = torch.tensor([0.02], device="cuda")
     seq_buf = seq.clone()
-    plan = ops.plan_decode(seq_buf, 1, 16, kv_cache_dtype=torch.float8_e4m3fn)
-    out = torch.empty(3, 1, 16, 512, dtype=q.dtype, device="cuda")
+    plan = ops.plan_decode(seq_buf, 1, heads, kv_cache_dtype=torch.float8_e4m3fn)
+    out = torch.empty(3, 1, heads, 512, dtype=q.dtype, device="cuda")
     ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, kv_scale=scale, out=out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.plan_decode(seq_buf, 1, 16, kv_cache_dtype=torch.float8_e4m3fn, out=plan)
+        ops.plan_decode(seq_buf, 1, heads, kv_cache_dtype=torch.float8_e4m3fn, out=plan)
         ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, kv_scale=scale, out=out)
     for new in ([1999, 3, 900], [10, 64, 0]):
         seq_buf.copy_(torch.tensor(new, dtype=torch.int32))
