@@ -145,20 +145,22 @@ def test_deepseek_v2_on_model_runner_v2(workdir):
     _check_close("v2-h16-graphs: CUSTOM vs FLASHMLA", ours, fm, tol)
 
 
-def test_fp8_kv_cache_at_least_as_close_as_flashmla_fp8(workdir):
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_kv_cache_at_least_as_close_as_flashmla_fp8(workdir, heads):
     """Per-tensor fp8 cache: our kernel reads bf16 q and the e4m3 cache; FlashMLA's fp8 path
-    also quantizes q. Both are measured against FlashMLA on a bf16 cache."""
-    model = _model(workdir, "v3", 16)
-    fm_bf16, tol = _tolerance(workdir, "v3", 16)
-    fm8 = _run(workdir, "v3-h16-FLASHMLA-graphs-fp8", model=model, backend="FLASHMLA",
+    also quantizes q. Both are measured against FlashMLA on a bf16 cache. H = 16 runs our
+    mma.sync kernel, H = 128 the wgmma kernel's converting producer."""
+    model = _model(workdir, "v3", heads)
+    fm_bf16, tol = _tolerance(workdir, "v3", heads)
+    fm8 = _run(workdir, f"v3-h{heads}-FLASHMLA-graphs-fp8", model=model, backend="FLASHMLA",
                kv_cache_dtype="fp8")
-    ours8 = _run(workdir, "v3-h16-CUSTOM-graphs-fp8", model=model, backend="CUSTOM",
+    ours8 = _run(workdir, f"v3-h{heads}-CUSTOM-graphs-fp8", model=model, backend="CUSTOM",
                  kv_cache_dtype="fp8")
     _assert_ours(ours8)
     peer = engines.compare(fm8["outputs"], fm_bf16["outputs"])
     ours = engines.compare(ours8["outputs"], fm_bf16["outputs"])
-    _save("v3-h16 fp8 cache: FLASHMLA fp8 vs FLASHMLA bf16", peer)
-    _save("v3-h16 fp8 cache: CUSTOM fp8 vs FLASHMLA bf16", ours)
+    _save(f"v3-h{heads} fp8 cache: FLASHMLA fp8 vs FLASHMLA bf16", peer)
+    _save(f"v3-h{heads} fp8 cache: CUSTOM fp8 vs FLASHMLA bf16", ours)
     assert ours["positions_compared"] >= len(PROMPT_LENS) * 2
     assert ours["max_abs_logprob_diff"] <= max(1.5 * peer["max_abs_logprob_diff"], tol), (
         ours, peer)
