@@ -22,9 +22,9 @@
 //              unit's V, and the other's P (smem, after barriers P0 / P1) by its half of the
 //              other unit's V.
 // Each half of a K buffer (chunks 0-3 = V left, 4-8 = V right + rope) is released as soon as
-// its last reader's wgmma retires (dense: its TMA refill is issued; sparse: the producer's
-// "empty" mbarrier is signalled), so the next pair of units streams in while this pair
-// computes. Shared memory: Q 72 KiB + 2 x K 72 KiB + P0 8 KiB + scalars = 225 KiB.
+// its last reader's wgmma retires (kPagedTma: its TMA refill is issued; with a producer: the
+// producer's "empty" mbarrier is signalled, and K1's rope chunk, which holds P1, is a part of
+// its own), so the next pair of units streams in while this pair computes. Shared memory: Q 72 KiB + 2 x K 72 KiB + P0 8 KiB + scalars = 225 KiB.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -170,13 +170,19 @@ __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* ma
 }
 
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;
+// With a producer, each K buffer is filled in parts, each with a "full" and an "empty"
+// mbarrier: K0 in two halves (chunks 0-3, 4-8), K1 in three (0-3, 4-7, and its rope chunk 8,
+// which holds P1 once S of its unit is done). So K1's V-right half is refilled as soon as
+// warpgroup 1's own PV retires, and only chunk 8 waits for warpgroup 0's PV with P1.
+constexpr int kFills = 5;
+__device__ __forceinline__ int fill_id(int b, int h) { return h == 2 ? 4 : 2 * b + h; }
 template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparseDsMla;
 
 // The producer warpgroup of every source but kPagedTma. Thread t of its 128 handles list entry t / 2
 // of every unit, columns split between the two threads of a pair. Fills run in the order
-// the consumers release halves of the K buffers (unit pair a, b: K0 left, K0 right, K1 right,
-// K1 left; see the consumer loop), each after the previous occupant's release ("empty"
-// mbarrier: one arrival per consumer warp). K0 goes first: warpgroup 0's S of the next
+// the consumers release parts of the K buffers (unit pair a, b: K0 left, K0 right, K1 right,
+// K1 left, K1 rope; see kFills and the consumer loop), each after the previous occupant's
+// release ("empty" mbarrier: one arrival per warp of the releasing warpgroup). K0 goes first: warpgroup 0's S of the next
 // pair needs it, and K1 is released only when that S is half issued (release_k1_left). A fill's copies are issued, then the
 // previous fill is finished (cp.async landed; fp8_ds_mla: dequantized) and announced on its
 // "full" mbarrier (128 arrivals); a fill whose buffer is still busy first finishes the one
@@ -189,7 +195,7 @@ struct KeyProducer {
   uint32_t kbuf0, bars_full, bars_empty;
   uint32_t* masks;  // sparse: [2 buffers][4 warps]: bit 2j of word w = entry 16w + j of the unit is valid
   int tk, part, warp, lane;
-  uint32_t used = 0, empty_phase = 0;  // bit 2b + h: half h of buffer b filled before / parity
+  uint32_t used = 0, empty_phase = 0;  // bit fill_id(b, h): that part filled before / parity
 
   __device__ uint32_t kbuf(int b) const { return kbuf0 + b * kTileBytes; }
   __device__ const unsigned char* token_row(int slot) const {
@@ -202,9 +208,10 @@ struct KeyProducer {
     float scale = 1.f;  // fp8_ds_mla: this thread's tile scale (per-tensor fp8: folded elsewhere)
   };
 
-  // half h of buffer b from cache slot `slot` (-1: zeros, masked)
+  // part h of buffer b from cache slot `slot` (-1: zeros, masked): h = 0 chunks 0-3, h = 1
+  // chunks 4-8 of K0 / 4-7 of K1, h = 2 K1's rope chunk 8 (see kFills)
   __device__ Fill issue(int b, int h, int slot, Fill& pending) {
-    const int bit = 2 * b + h;
+    const int bit = fill_id(b, h);
     if ((used >> bit) & 1) {
       const uint32_t bar = bars_empty + bit * 8;
       const uint32_t ph = (empty_phase >> bit) & 1;
@@ -229,24 +236,34 @@ struct KeyProducer {
     const uint32_t dst = kbuf(b);
     Fill f;
     f.b = b; f.h = h;
+    const bool rope_here = h == 2 || (h == 1 && b == 0);
     if constexpr (kSrc == KeySource::kSparse16) {
-      // columns [0, 256) (32 16-byte units) or [256, 576) (40); half of them per thread
-      constexpr int kL = 16, kR = 20;
-      const int nu = h == 0 ? kL : kR, u0 = (h == 0 ? 0 : 32) + part * nu;
+      // 16-byte units [0, 32) (h = 0), [32, 64) (h = 1) and the rope's [64, 72); half of
+      // them per thread
+      if (h < 2) {
+        const int u0 = 32 * h + 16 * part;
 #pragma unroll 4
-      for (int j = 0; j < kR; ++j) {
-        if (j < nu) cp_async_16s(dst + sw128_offset(tk, (u0 + j) * 8), row + (u0 + j) * 16, nbytes);
+        for (int j = 0; j < 16; ++j) cp_async_16s(dst + sw128_offset(tk, (u0 + j) * 8), row + (u0 + j) * 16, nbytes);
+      }
+      if (rope_here) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int u = 64 + 4 * part + j;
+          cp_async_16s(dst + sw128_offset(tk, u * 8), row + u * 16, nbytes);
+        }
       }
     } else {
       // 128 e4m3 values (fp8_ds_mla: this thread's scale tile 2h + part) staged raw: units
       // 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at this entry's 128-byte row (see
       // finish)
+      if (h < 2) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 + (part * 4 + (j & 3)) * 16;
-        cp_async_16s(stage, row + h * 256 + part * 128 + j * 16, nbytes);
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 + (part * 4 + (j & 3)) * 16;
+          cp_async_16s(stage, row + h * 256 + part * 128 + j * 16, nbytes);
+        }
       }
-      if (h == 1) {
+      if (rope_here) {
         if constexpr (kSrc == KeySource::kSparseDsMla) {  // rope: 64 bf16 at byte 528, straight to chunk 8
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -260,7 +277,7 @@ struct KeyProducer {
         }
       }
       if constexpr (kSrc == KeySource::kSparseDsMla) {
-        f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + part) : 0.f;
+        if (h < 2) f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + part) : 0.f;
       }
     }
     cp_async_commit();
@@ -290,28 +307,29 @@ struct KeyProducer {
         *reinterpret_cast<uint4*>(gen + sw128_offset(tk, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
       };
       auto put = [&](int j, uint4 raw) { put_at(256 * f.h + part * 128 + j * 16, raw); };
+      if (f.h < 2) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) put(j, raw_at(j));  // to chunks 4h, 4h+2: no raw there
-      uint4 hi[4], rope[2];
+        for (int j = 0; j < 4; ++j) put(j, raw_at(j));  // to chunks 4h, 4h+2: no raw there
+        uint4 hi[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) hi[j] = raw_at(4 + j);
-      const bool rope_here = kSrc == KeySource::kPagedFp8 && f.h == 1;
-      if (rope_here) {
+        for (int j = 0; j < 4; ++j) hi[j] = raw_at(4 + j);
+        __syncwarp();  // every raw unit of the warp's rows is in registers or already used
+#pragma unroll
+        for (int j = 0; j < 4; ++j) put(4 + j, hi[j]);
+      }
+      if (kSrc == KeySource::kPagedFp8 && (f.h == 2 || (f.h == 1 && f.b == 0))) {  // rope, in chunk 8
+        uint4 rope[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           rope[j] = *reinterpret_cast<const uint4*>(gen + 8 * kChunkBytes + tk * 128 + (part * 2 + j) * 16);
         }
-      }
-      __syncwarp();  // every raw unit of the warp's rows is in registers or already used
-#pragma unroll
-      for (int j = 0; j < 4; ++j) put(4 + j, hi[j]);
-      if (rope_here) {
+        __syncwarp();
 #pragma unroll
         for (int j = 0; j < 2; ++j) put_at(512 + part * 32 + j * 16, rope[j]);
       }
     }
     fence_proxy_async();
-    mbar_arrive(bars_full + (2 * f.b + f.h) * 8);
+    mbar_arrive(bars_full + fill_id(f.b, f.h) * 8);
   }
 };
 
@@ -338,8 +356,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   float* sScale1 = sScale0 + kRows;
   float* sSum = sScale1 + kRows;                                           // [2][64]
   // mbarriers. kPagedTma: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8. With a
-  // producer: "full" of half h of buffer b at bars + (2b + h) * 8, "empty" at
-  // bars + (4 + 2b + h) * 8.
+  // producer: "full" of part h of buffer b at bars + fill_id(b, h) * 8, "empty" at
+  // bars + (kFills + fill_id(b, h)) * 8.
   const uint32_t bars = sP0 + kPBytes + 5 * kRows * sizeof(float);
   uint32_t* sMask = reinterpret_cast<uint32_t*>(smem + (bars - base) + 18 * 8);  // sparse: [2][4]
 
@@ -350,9 +368,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   const bool wg_leader = wtid == 0;
   if (tid == 0) {
     if constexpr (kProduced) {
-      for (int i = 0; i < 4; ++i) mbar_init(bars + i * 8, 128);      // full: every producer thread
-      // empty: every warp of the releasing warpgroup; K1's right half (with P1): both
-      for (int i = 4; i < 8; ++i) mbar_init(bars + i * 8, i == 7 ? 8 : 4);
+      for (int i = 0; i < kFills; ++i) mbar_init(bars + i * 8, 128);  // full: every producer thread
+      for (int i = kFills; i < 2 * kFills; ++i) mbar_init(bars + i * 8, 4);  // empty: the releasing warpgroup's warps
     } else {
       for (int i = 0; i < 18; ++i) mbar_init(bars + i * 8, 1);
     }
@@ -378,7 +395,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if constexpr (kProduced) {
     if (wg == 2) {  // ---- producer warpgroup
       set_max_regs_dec<kProducerRegs>();
-      KeyProducer<T, kSrc> prod{p, static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + 4 * 8, sMask,
+      KeyProducer<T, kSrc> prod{p, static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + kFills * 8, sMask,
                                 wtid >> 1, wtid & 1, wtid >> 5, lane};
       typename KeyProducer<T, kSrc>::Fill pending;
       auto issue = [&](int b, int h, int slot) {
@@ -417,6 +434,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           if (has_b) {
             issue(1, 1, slot_b);
             issue(1, 0, slot_b);
+            issue(1, 2, slot_b);
           }
           slot_a = next_a;
           slot_b = next_b;
@@ -438,7 +456,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   };
 
   uint32_t phases = 0;  // kPagedTma: bit (9b + c): parity of buffer b chunk c's next completion;
-                        // with a producer: bit (2b + h) of half h's "full" barrier
+                        // with a producer: bit fill_id(b, h) of that part's "full" barrier
   const T* qbase = static_cast<const T*>(p.q);
 
   // block id of page pi of request r (0 past the block table: the page is then masked and
@@ -461,9 +479,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   auto release = [&](int b, int h, bool has_next, int next_blk) {
     if constexpr (kProduced) {
       if (lane == 0) {
-        mbar_arrive(bars + (4 + 2 * b + h) * 8);
+        mbar_arrive(bars + (kFills + fill_id(b, h)) * 8);
         // K1's left half goes when warpgroup 0's PV with P1 retired: so does P1, in chunk 8
-        if (b == 1 && h == 0) mbar_arrive(bars + (4 + 2 + 1) * 8);
+        if (b == 1 && h == 0) mbar_arrive(bars + (kFills + fill_id(1, 2)) * 8);
       }
     } else {
       if (wg_leader && has_next) load_half(b, h, next_blk);
@@ -471,8 +489,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   };
   auto wait_chunk = [&](int b, int c) {
     if constexpr (kProduced) {
-      if (c != 0 && c != 4) return;  // one barrier per half
-      const int bit = 2 * b + (c >> 2);
+      // one barrier per part: chunks 0-3, 4-8 (K0) or 4-7 and 8 (K1)
+      if (c != 0 && c != 4 && !(c == 8 && b == 1)) return;
+      const int bit = fill_id(b, c == 8 ? 2 : c >> 2);
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
       phases ^= 1u << bit;
     } else {
@@ -496,7 +515,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     constexpr int b = decltype(b_const)::value;
 #pragma unroll
     for (int i = 0; i < 9; ++i) {
-      const int c = b == 0 ? i : (i + 4) % 9;
+      // produced K1: the rope chunk (refilled last, after warpgroup 0's PV with P1) last
+      const int c = b == 0 ? i : kProduced ? (i < 4 ? i + 4 : i < 8 ? i - 4 : 8) : (i + 4) % 9;
       wait_chunk(b, c);
       cute::warpgroup_arrive();
 #pragma unroll
