@@ -24,7 +24,8 @@
 // Each half of a K buffer (chunks 0-3 = V left, 4-8 = V right + rope) is released as soon as
 // its last reader's wgmma retires (kPagedTma: its TMA refill is issued; with a producer: the
 // producer's "empty" mbarrier is signalled, and K1's rope chunk, which holds P1, is a part of
-// its own), so the next pair of units streams in while this pair computes. Shared memory: Q 72 KiB + 2 x K 72 KiB + P0 8 KiB + scalars = 225 KiB.
+// its own), so the next pair of units streams in while this pair computes.
+// Shared memory: Q 72 KiB + 2 x K 72 KiB + P0 8 KiB + scalars = 225 KiB.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -176,18 +177,21 @@ template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTm
 // warpgroup 1's own PV retires, and only chunk 8 waits for warpgroup 0's PV with P1.
 constexpr int kFills = 5;
 __device__ __forceinline__ int fill_id(int b, int h) { return h == 2 ? 4 : 2 * b + h; }
+// the fill that carries a buffer's rope chunk: K0's right half, K1's own rope part
+__device__ __forceinline__ bool fill_has_rope(int b, int h) { return h == 2 || (h == 1 && b == 0); }
 template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparseDsMla;
 
 // The producer warpgroup of every source but kPagedTma. Thread t of its 128 handles list entry t / 2
 // of every unit, columns split between the two threads of a pair. Fills run in the order
 // the consumers release parts of the K buffers (unit pair a, b: K0 left, K0 right, K1 right,
 // K1 left, K1 rope; see kFills and the consumer loop), each after the previous occupant's
-// release ("empty" mbarrier: one arrival per warp of the releasing warpgroup). K0 goes first: warpgroup 0's S of the next
-// pair needs it, and K1 is released only when that S is half issued (release_k1_left). A fill's copies are issued, then the
-// previous fill is finished (cp.async landed; fp8_ds_mla: dequantized) and announced on its
-// "full" mbarrier (128 arrivals); a fill whose buffer is still busy first finishes the one
-// before it, so a consumer never waits on a fill the producer holds back. T: the tile's
-// element type (the fp8 caches are converted to it).
+// release ("empty" mbarrier: one arrival per warp of the releasing warpgroup). K0 goes
+// first: warpgroup 0's S of the next pair needs it, and K1's left half is released only when
+// that S is half issued (release_k1_left). A fill's copies are issued, then the previous fill
+// is finished (cp.async landed; fp8: converted) and announced on its "full" mbarrier (128
+// arrivals); a fill whose buffer is still busy first finishes the one before it, so a
+// consumer never waits on a fill the producer holds back. T: the tile's element type (the
+// fp8 caches are converted to it).
 template <typename T, KeySource kSrc>
 struct KeyProducer {
   const DecodeParams& p;
@@ -205,7 +209,7 @@ struct KeyProducer {
 
   struct Fill {
     int b = -1, h = 0;
-    float scale = 1.f;  // fp8_ds_mla: this thread's tile scale (per-tensor fp8: folded elsewhere)
+    float scale = 0.f;  // fp8_ds_mla: this thread's tile scale
   };
 
   // part h of buffer b from cache slot `slot` (-1: zeros, masked): h = 0 chunks 0-3, h = 1
@@ -236,7 +240,7 @@ struct KeyProducer {
     const uint32_t dst = kbuf(b);
     Fill f;
     f.b = b; f.h = h;
-    const bool rope_here = h == 2 || (h == 1 && b == 0);
+    const bool rope_here = fill_has_rope(b, h);
     if constexpr (kSrc == KeySource::kSparse16) {
       // 16-byte units [0, 32) (h = 0), [32, 64) (h = 1) and the rope's [64, 72); half of
       // them per thread
@@ -317,7 +321,7 @@ struct KeyProducer {
 #pragma unroll
         for (int j = 0; j < 4; ++j) put(4 + j, hi[j]);
       }
-      if (kSrc == KeySource::kPagedFp8 && (f.h == 2 || (f.h == 1 && f.b == 0))) {  // rope, in chunk 8
+      if (kSrc == KeySource::kPagedFp8 && fill_has_rope(f.b, f.h)) {  // rope, raw in chunk 8
         uint4 rope[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -392,6 +396,13 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if (!cta_units(p, u_begin, u_end, U)) return;
   __syncthreads();  // barriers initialised
 
+  // block id of page pi of request r (0 past the block table: the page is then masked and
+  // its V zeroed, see n_valid; the
+  // producer copies nothing for it)
+  auto block_of = [&](int r, int pi) {
+    return pi < p.max_blocks ? __ldg(p.block_table + r * p.bt_stride + pi) : 0;
+  };
+
   if constexpr (kProduced) {
     if (wg == 2) {  // ---- producer warpgroup
       set_max_regs_dec<kProducerRegs>();
@@ -418,9 +429,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           if constexpr (kSparse) {
             return sparse_slot_at(p, list, len, pg * kKeys + prod.tk);
           } else {  // dense: token pg * 64 + tk of the request, on its page's block
-            return pg < p.max_blocks && pg * kKeys + prod.tk < len
-                       ? __ldg(p.block_table + int64_t(r) * p.bt_stride + pg) * kPage + prod.tk
-                       : -1;
+            return pg < p.max_blocks && pg * kKeys + prod.tk < len ? block_of(r, pg) * kPage + prod.tk : -1;
           }
         };
         int slot_a = slot_of(pg_begin), slot_b = pg_begin + 1 < pg_end ? slot_of(pg_begin + 1) : -1;
@@ -459,11 +468,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
                         // with a producer: bit fill_id(b, h) of that part's "full" barrier
   const T* qbase = static_cast<const T*>(p.q);
 
-  // block id of page pi of request r (0 past the block table: the page is then masked and
-  // its V zeroed, see n_valid)
-  auto block_of = [&](int r, int pi) {
-    return pi < p.max_blocks ? __ldg(p.block_table + r * p.bt_stride + pi) : 0;
-  };
   // TMA of one half of buffer b (h = 0: chunks 0-3, h = 1: chunks 4-8), one mbarrier per
   // chunk so S can start on each as it lands
   auto load_half = [&](int b, int h, int blk) {
@@ -638,6 +642,21 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     }
     fence_proxy_async();
   };
+  // the running max after this warpgroup's unit (row maxima rmax): new max and the factor that
+  // rescales what came before, published for the other warpgroup (sM and sScale)
+  auto update_max = [&](const float* rmax, float* m_new, float* scale, float* sScale) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const float m_old = sM[wrow + hr * 8];
+      m_new[hr] = fmaxf(m_old, rmax[hr]);
+      scale[hr] = exp2f(m_old - m_new[hr]);
+    }
+    __syncwarp();
+    if (qd == 0) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) { sM[wrow + hr * 8] = m_new[hr]; sScale[wrow + hr * 8] = scale[hr]; }
+    }
+  };
   auto scale_o = [&](const float* f) {
     if (__any_sync(0xffffffff, f[0] != 1.f || f[1] != 1.f)) {
 #pragma unroll
@@ -715,17 +734,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         // ---- softmax of page pa_ on top of the running max
         float rmax[2], m_new[2], scale0[2], rsum[2];
         mask_and_max(pa_ * kKeys, seq_len, rmax);
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const float m_old = sM[wrow + hr * 8];
-          m_new[hr] = fmaxf(m_old, rmax[hr]);
-          scale0[hr] = exp2f(m_old - m_new[hr]);
-        }
-        __syncwarp();
-        if (qd == 0) {
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) { sM[wrow + hr * 8] = m_new[hr]; sScale0[wrow + hr * 8] = scale0[hr]; }
-        }
+        update_max(rmax, m_new, scale0, sScale0);
         exponentiate(m_new, rsum);
         scale_o(scale0);
         l_run[0] = l_run[0] * scale0[0] + rsum[0];
@@ -779,17 +788,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         } else {
           rmax[0] = rmax[1] = -INFINITY;
         }
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const float m0 = sM[wrow + hr * 8];  // warpgroup 0's new max
-          m_new[hr] = fmaxf(m0, rmax[hr]);
-          scale1[hr] = exp2f(m0 - m_new[hr]);
-        }
-        __syncwarp();
-        if (qd == 0) {
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) { sM[wrow + hr * 8] = m_new[hr]; sScale1[wrow + hr * 8] = scale1[hr]; }
-        }
+        update_max(rmax, m_new, scale1, sScale1);  // on top of warpgroup 0's new max
         const float both[2] = {scale0[0] * scale1[0], scale0[1] * scale1[1]};
         scale_o(both);
         uint32_t pfrag[4][4];
