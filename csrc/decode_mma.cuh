@@ -1,11 +1,10 @@
-// The mma.sync m16n8k16 decode kernel, shared by dense paged decode (csrc/dense_decode.cu)
-// and sparse (DSA) decode / prefill (csrc/sparse_decode.cu). Tiles of 16 rows (rows = s_q * H
-// <= 16: TP8/TP16 head counts pay for no padded MMA rows); larger H goes to the wgmma kernel
-// (csrc/decode_wgmma.cu). The template also builds 32- and 64-row tiles (unused now).
-// Schedule and numbers: docs/kernels/dense_decode.md, docs/kernels/sparse_decode.md.
+// The mma.sync m16n8k16 kernel of dense paged decode (csrc/dense_decode.cu). Tiles of 16
+// rows (rows = s_q * H <= 16: TP8/TP16 head counts pay for no padded MMA rows); larger H goes
+// to the wgmma kernel (csrc/decode_wgmma.cu). The template also builds 32- and 64-row tiles
+// (unused now). Sparse attention ran here up to v3 and now runs on the wgmma kernel at every H
+// (docs/kernels/sparse_decode.md). Schedule and numbers: docs/kernels/dense_decode.md.
 //
-// Work unit: 32 consecutive key positions of one request (half a 64-token page; for sparse,
-// 32 consecutive entries of the request's index list). The planner writes unit prefix sums
+// Work unit: 32 consecutive key positions of one request (half a 64-token page). The planner writes unit prefix sums
 // P[0..B] and U (units per CTA); CTA c walks units [cU, cU+U), crossing request boundaries.
 // A request wholly inside one CTA is written straight to out/lse; a request spanning CTAs
 // leaves normalised partials (slot 0 if it is the CTA's first request, else slot 1) that
@@ -21,7 +20,6 @@ namespace dense {
 enum class KvFormat {
   k16,        // 576 values of q's dtype
   kFp8,       // 576 float8 e4m3, one per-tensor scale (vLLM "fp8")
-  kFp8DsMla,  // 656 bytes: 512 e4m3 + 4 float32 tile scales + 64 bf16 rope (vLLM "fp8_ds_mla")
 };
 
 constexpr int kUnit = kUnitMma;  // tokens per work unit of this kernel
@@ -29,12 +27,10 @@ constexpr int kSmemRow = kDqk + 8;  // padded row: 1168 B = 73 16-B chunks (odd:
 constexpr int kWarpsN = 4;          // warps splitting keys (S) and output columns (PV)
 constexpr int kPRow = kUnit + 8;  // padded P row: 80 B = 5 chunks
 
-// fp8 formats: cp.async stages the raw bytes; at consume time every thread converts the
-// unit into one bf16/fp16 tile, which S and PV read exactly as in the 16-bit case.
-// kFp8: every e4m3 value is exact in bf16 and fp16, so the conversion rounds nothing:
-// kv_scale is folded into the softmax scale (S = kv_scale * q.k8) and into the output
-// (O = kv_scale * P.v8) instead. kFp8DsMla: value * tile scale is rounded once to bf16 (the
-// scale differs per 128 columns of each key, so it cannot leave the tile); rope is copied.
+// fp8: cp.async stages the raw bytes; at consume time every thread converts the unit into
+// one bf16/fp16 tile, which S and PV read exactly as in the 16-bit case. Every e4m3 value is
+// exact in bf16 and fp16, so the conversion rounds nothing: kv_scale is folded into the
+// softmax scale (S = kv_scale * q.k8) and into the output (O = kv_scale * P.v8) instead.
 // 16 e4m3 values (one 16-byte chunk; convert_e4m3x16) stored as 32 contiguous bytes of
 // shared memory
 template <typename T>
@@ -55,10 +51,8 @@ struct DecodeConfig {
   static constexpr int kStages = 2;  // 16 rows: <= 100 KiB of shared memory, two CTAs per SM
   static constexpr int kMinCtasPerSm = kRows == 16 ? 2 : 1;
   // bytes of one cached token as staged, and the 16-byte chunks that load it
-  static constexpr int kTokBytes = kFmt == KvFormat::k16 ? kSmemRow * int(sizeof(T))
-                                   : kFmt == KvFormat::kFp8 ? kDqk : 656;
-  static constexpr int kRowChunks = kFmt == KvFormat::k16 ? kDqk * int(sizeof(T)) / 16
-                                    : kFmt == KvFormat::kFp8 ? kDqk / 16 : 656 / 16;
+  static constexpr int kTokBytes = kFmt == KvFormat::k16 ? kSmemRow * int(sizeof(T)) : kDqk;
+  static constexpr int kRowChunks = kFmt == KvFormat::k16 ? kDqk * int(sizeof(T)) / 16 : kDqk / 16;
   static constexpr int kColsPerWarp = kDv / kWarpsN;       // 128
   static constexpr int kNTiles = kColsPerWarp / 8;          // 16
   static constexpr int kKeysPerWarp = kUnit / kWarpsN;      // 8: one n-tile of S
@@ -74,8 +68,7 @@ struct DecodeConfig {
   static_assert(kMinCtasPerSm == 1 || 2 * (kSmem + 1024) <= 228 * 1024, "two CTAs per SM");
 };
 
-// kSparse: requests are query groups whose keys are listed by p.indices (see DecodeParams).
-template <typename T, int kRows, KvFormat kFmt, bool kSparse>
+template <typename T, int kRows, KvFormat kFmt>
 __global__ void __launch_bounds__(DecodeConfig<T, kRows, kFmt>::kThreads, DecodeConfig<T, kRows, kFmt>::kMinCtasPerSm)
 mma_decode_kernel(const __grid_constant__ DecodeParams p) {
   using Cfg = DecodeConfig<T, kRows, kFmt>;
@@ -115,31 +108,17 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
     auto dst_off = [&](int t, int ch) {
       return kFmt == KvFormat::k16 ? (t * kSmemRow + ch * 8) * int(sizeof(T)) : t * Cfg::kTokBytes + ch * 16;
     };
-    if constexpr (kSparse) {
-      const int* list = sparse_group_indices(p, r_load);
-      const int len = sparse_group_len(p, r_load);
-      for (int i = tid; i < kUnit * kRowChunks; i += Cfg::kThreads) {
-        const int t = i / kRowChunks, ch = i % kRowChunks;
-        const int slot = sparse_slot_at(p, list, len, tok0 + t);  // -1: zero-filled (never read)
-        const unsigned char* src =
-            slot >= 0 ? kv + (int64_t(slot / kPage) * p.kv_stride_block + int64_t(slot % kPage) * p.kv_stride_tok) *
-                                 kElemBytes + ch * 16
-                      : kv;
-        cp_async_16(dst + dst_off(t, ch), src, slot >= 0 ? 16 : 0);
-      }
-    } else {
-      const int n_valid = min(kUnit, __ldg(p.seq_lens + r_load) - tok0);
-      const int blk_idx = tok0 / kPage;
-      const bool blk_ok = blk_idx < p.max_blocks;
-      const int blk = blk_ok ? __ldg(p.block_table + r_load * p.bt_stride + blk_idx) : 0;
-      const unsigned char* base =
-          kv + (int64_t(blk) * p.kv_stride_block + int64_t(tok0 % kPage) * p.kv_stride_tok) * kElemBytes;
-      for (int i = tid; i < kUnit * kRowChunks; i += Cfg::kThreads) {
-        const int t = i / kRowChunks, ch = i % kRowChunks;
-        const bool ok = blk_ok && t < n_valid;  // zero-filled otherwise (never read)
-        const unsigned char* src = ok ? base + int64_t(t) * p.kv_stride_tok * kElemBytes + ch * 16 : kv;
-        cp_async_16(dst + dst_off(t, ch), src, ok ? 16 : 0);
-      }
+    const int n_valid = min(kUnit, __ldg(p.seq_lens + r_load) - tok0);
+    const int blk_idx = tok0 / kPage;
+    const bool blk_ok = blk_idx < p.max_blocks;
+    const int blk = blk_ok ? __ldg(p.block_table + r_load * p.bt_stride + blk_idx) : 0;
+    const unsigned char* base =
+        kv + (int64_t(blk) * p.kv_stride_block + int64_t(tok0 % kPage) * p.kv_stride_tok) * kElemBytes;
+    for (int i = tid; i < kUnit * kRowChunks; i += Cfg::kThreads) {
+      const int t = i / kRowChunks, ch = i % kRowChunks;
+      const bool ok = blk_ok && t < n_valid;  // zero-filled otherwise (never read)
+      const unsigned char* src = ok ? base + int64_t(t) * p.kv_stride_tok * kElemBytes + ch * 16 : kv;
+      cp_async_16(dst + dst_off(t, ch), src, ok ? 16 : 0);
     }
   };
 
@@ -152,7 +131,6 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       uint4 v = make_uint4(0, 0, 0, 0);
       if (row < p.rows) {
         const int qi = row / p.heads, h = row % p.heads;
-        // dense: request r = batch entry; sparse: group r = (b, s), qi = 0
         const int64_t q_off = int64_t(r / p.group_s_q) * p.q_stride_b + int64_t(r % p.group_s_q + qi) * p.q_stride_s +
                               int64_t(h) * p.q_stride_h;
         v = __ldg(reinterpret_cast<const uint4*>(qbase + q_off) + ch);
@@ -252,34 +230,9 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       }
       __syncthreads();
       sK = sKfp8;
-    } else if constexpr (kFmt == KvFormat::kFp8DsMla) {
-      // latent chunks: e4m3 * tile scale rounded to T; rope chunks: bf16 bits copied
-      const unsigned char* src = sStages + stage * Cfg::kSmemStage;
-      for (int i = tid; i < kUnit * (kDqk / 16); i += Cfg::kThreads) {
-        const int t = i / (kDqk / 16), ch = i % (kDqk / 16);
-        const unsigned char* tok = src + t * Cfg::kTokBytes;
-        T* dst = sKfp8 + t * kSmemRow + ch * 16;
-        if (ch < kDv / 16) {
-          const float tile_scale = *reinterpret_cast<const float*>(tok + kDv + (ch / 8) * 4);
-          store_e4m3x16<T>(dst, *reinterpret_cast<const uint4*>(tok + ch * 16), tile_scale);
-        } else {
-          const uint4* rope = reinterpret_cast<const uint4*>(tok + kDv + 16 + (ch - kDv / 16) * 32);
-          reinterpret_cast<uint4*>(dst)[0] = rope[0];
-          reinterpret_cast<uint4*>(dst)[1] = rope[1];
-        }
-      }
-      __syncthreads();
-      sK = sKfp8;
     }
     const int tok0 = (u - __ldg(P + r_cur)) * kUnit;
-    const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + r_cur);
-    bool key_ok[2] = {true, true};  // sparse: this thread's two keys exist (same for every row)
-    if constexpr (kSparse) {
-      const int* list = sparse_group_indices(p, r_cur);
-      const int len = sparse_group_len(p, r_cur);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) key_ok[e] = sparse_slot_at(p, list, len, tok0 + wn * 8 + qd * 2 + e) >= 0;
-    }
+    const int seq_len = __ldg(p.seq_lens + r_cur);
 
     // ---- S = Q K^T for 16 rows x 8 keys per warp, depth 576
     // two independent accumulators halve the dependent mma chain (36 k-steps)
@@ -306,8 +259,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       for (int e = 0; e < 2; ++e) {
         const int key = tok0 + wn * 8 + qd * 2 + e;
         float& v = s[hr * 2 + e];
-        const bool ok = kSparse ? key_ok[e] : key < limit;
-        v = ok ? v * scale_log2 : -INFINITY;
+        v = key < limit ? v * scale_log2 : -INFINITY;
       }
       float mx = fmaxf(s[hr * 2], s[hr * 2 + 1]);
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
@@ -357,10 +309,10 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
   epilogue(r_cur);
 }
 
-template <typename T, int kRows, KvFormat kFmt, bool kSparse>
+template <typename T, int kRows, KvFormat kFmt>
 void launch_mma_decode(const DecodeParams& p, cudaStream_t stream) {
   using Cfg = DecodeConfig<T, kRows, kFmt>;
-  auto kernel = mma_decode_kernel<T, kRows, kFmt, kSparse>;
+  auto kernel = mma_decode_kernel<T, kRows, kFmt>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
   launch_pdl(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmem, stream, p);

@@ -213,18 +213,19 @@ struct KeyProducer {
   };
 
   // Copies 16-byte units [0, kUnits) at byte src_off of each of the warp's 16 entry rows to
-  // dst_of(entry, unit). Up to 8 lanes share an entry, each taking every 8th unit, so one
-  // copy instruction reads whole 128-byte lines of 4 entries (a warp whose lanes read 32
-  // different lines costs L1 a wavefront per line, 8x more). Slots come from their owner
-  // threads (entry e: lanes 2e, 2e + 1 of the warp) by shuffle.
+  // dst_of(entry, unit). 8 lanes share an entry, each taking every 8th unit, so one copy
+  // instruction reads whole 128-byte lines of 4 entries (one whose 32 lanes read 32
+  // different lines costs L1 and L2 a request per line, 8x more). Slots come from their
+  // owner threads (entry e: lanes 2e, 2e + 1 of the warp) by shuffle.
   template <int kUnits, typename DstOf>
   __device__ __forceinline__ void copy_rows(int slot, int src_off, DstOf dst_of) const {
-    constexpr int kLanes = kUnits < 8 ? kUnits : 8, kPerCopy = 32 / kLanes;
+    static_assert(kUnits % 8 == 0, "whole 128-byte lines");
+    constexpr int kLanes = 8, kPerCopy = 32 / kLanes;
     // re-read, not hoisted: lane-derived offsets kept live across the producer loop would
     // spill its 56 registers
     uint32_t ln;
     asm volatile("mov.u32 %0, %%laneid;" : "=r"(ln));
-#pragma unroll 1
+#pragma unroll
     for (int j = 0; j < 16 / kPerCopy; ++j) {
       const int e = j * kPerCopy + ln / kLanes;
       const int s = __shfl_sync(0xffffffff, slot, 2 * e);
@@ -261,6 +262,7 @@ struct KeyProducer {
     }
     const bool ok = slot >= 0;
     const unsigned char* row = ok ? token_row(slot) : kv;
+    const int nbytes = ok ? 16 : 0;
     const uint32_t dst = kbuf(b);
     Fill f;
     f.b = b; f.h = h;
@@ -270,20 +272,28 @@ struct KeyProducer {
       if (h < 2) copy_rows<32>(slot, 512 * h, [&](int e, int u) { return dst + sw128_offset(e, (32 * h + u) * 8); });
       if (rope_here) copy_rows<8>(slot, 1024, [&](int e, int u) { return dst + sw128_offset(e, (64 + u) * 8); });
     } else {
-      // 256 e4m3 values (fp8_ds_mla: scale tiles 2h, 2h + 1) staged raw: 16-byte unit r goes
-      // to chunk 4h + 1 (r % 8 < 4) or 4h + 3, at the entry's 128-byte row, position
-      // 4 (r / 8) + r % 4: the two threads that convert it find units part·8 .. part·8 + 7
-      // there (see finish)
+      // 128 e4m3 values (fp8_ds_mla: this thread's scale tile 2h + part) staged raw: units
+      // 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at this entry's 128-byte row (see
+      // finish). Each thread copies what it converts: copy_rows' whole-line copies were
+      // measured slower here (docs/kernels/sparse_decode.md, v4).
       if (h < 2) {
-        copy_rows<16>(slot, 256 * h, [&](int e, int r) {
-          return dst + (4 * h + 1 + 2 * ((r & 7) >> 2)) * kChunkBytes + e * 128 + ((r >> 3) * 4 + (r & 3)) * 16;
-        });
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 + (part * 4 + (j & 3)) * 16;
+          cp_async_16s(stage, row + h * 256 + part * 128 + j * 16, nbytes);
+        }
       }
       if (rope_here) {
         if constexpr (kSrc == KeySource::kSparseDsMla) {  // rope: 64 bf16 at byte 528, straight to chunk 8
-          copy_rows<8>(slot, 528, [&](int e, int r) { return dst + sw128_offset(e, 512 + r * 8); });
-        } else {  // rope: 64 e4m3 at byte 512, staged raw in the first 64 bytes of chunk 8's row
-          copy_rows<4>(slot, 512, [&](int e, int r) { return dst + 8 * kChunkBytes + e * 128 + r * 16; });
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            cp_async_16s(dst + sw128_offset(tk, 512 + part * 32 + j * 8), row + 528 + part * 64 + j * 16, nbytes);
+          }
+        } else {  // rope: 64 e4m3 at byte 512, staged raw in chunk 8's row (bytes 32 part..)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            cp_async_16s(dst + 8 * kChunkBytes + tk * 128 + (part * 2 + j) * 16, row + 512 + part * 32 + j * 16, nbytes);
+          }
         }
       }
       if constexpr (kSrc == KeySource::kSparseDsMla) {
@@ -298,11 +308,6 @@ struct KeyProducer {
   // announce
   __device__ void finish(const Fill& f) {
     if constexpr (kFp8Of<kSrc>) {
-      __syncwarp();  // the raw bytes were copied by other lanes of this warp (copy_rows)
-      // entry and half of this thread, re-read rather than kept live (see copy_rows)
-      uint32_t t;
-      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-      const int tk = (t & 127) >> 1, part = t & 1;
       // raw units j < 4 sit in chunk 4h+1 and become columns of chunk 4h + 2*part; units
       // j >= 4 sit in chunk 4h+3 and become columns of chunk 4h + 2*part + 1 (per-tensor fp8,
       // h = 1: the raw rope in chunk 8 becomes chunk 8). An entry's 128-byte row in each chunk

@@ -70,8 +70,8 @@ void plan_sparse_decode(const std::optional<at::Tensor>& topk_length, at::Tensor
   TORCH_CHECK(q_tokens_per_req >= 1 && groups % q_tokens_per_req == 0 && topk >= 1 && num_ctas >= 1 &&
                   min_units >= 1,
               "plan_sparse_decode: bad sizes");
-  TORCH_CHECK(unit_tokens == kUnitMma || unit_tokens == kUnitWgmma, "plan_sparse_decode: unit_tokens must be ",
-              kUnitMma, " or ", kUnitWgmma, ", got ", unit_tokens);
+  TORCH_CHECK(unit_tokens == kUnitWgmma, "plan_sparse_decode: unit_tokens must be ", kUnitWgmma, ", got ",
+              unit_tokens);
   if (topk_length.has_value()) {
     TORCH_CHECK(topk_length->is_cuda() && topk_length->scalar_type() == at::kInt && topk_length->is_contiguous() &&
                     topk_length->numel() * q_tokens_per_req == groups,
@@ -121,11 +121,11 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   TORCH_CHECK(bf16 || q.scalar_type() == at::kHalf, "mla_decode: q must be bf16 or fp16");
   if (rows_per_cta == 16) {
     if (fp8) {
-      if (bf16) launch_mma_decode<__nv_bfloat16, 16, KvFormat::kFp8, false>(p, stream);
-      else launch_mma_decode<__half, 16, KvFormat::kFp8, false>(p, stream);
+      if (bf16) launch_mma_decode<__nv_bfloat16, 16, KvFormat::kFp8>(p, stream);
+      else launch_mma_decode<__half, 16, KvFormat::kFp8>(p, stream);
     } else {
-      if (bf16) launch_mma_decode<__nv_bfloat16, 16, KvFormat::k16, false>(p, stream);
-      else launch_mma_decode<__half, 16, KvFormat::k16, false>(p, stream);
+      if (bf16) launch_mma_decode<__nv_bfloat16, 16, KvFormat::k16>(p, stream);
+      else launch_mma_decode<__half, 16, KvFormat::k16>(p, stream);
     }
   } else if (rows_per_cta == 64) {
     dense::launch_decode_wgmma(p, bf16, fp8, stream);

@@ -2,23 +2,14 @@
 // its index list names. One kernel serves decode ([B, s_q, H] queries, indices [B, s_q,
 // topk]) and prefill ([T, H] queries = T groups of one token): each (batch entry, query
 // token) is one request of the split-KV plan, its keys the entries of its index list, its
-// rows the H heads (csrc/decode_mma.cuh, kSparse; csrc/decode_wgmma.cu). Notes: docs/kernels/sparse_decode.md.
-#include "decode_mma.cuh"
+// rows the H heads, on one or two 64-row tiles of the wgmma kernel (csrc/decode_wgmma.cu).
+// Notes: docs/kernels/sparse_decode.md.
+#include "dense_decode_common.cuh"
 #include "ops.h"
 
 namespace mla_backend {
-namespace {
 
 using namespace dense;
-
-// 16-row tiles (H <= 16): the mma.sync kernel (32-entry units); 64-row tiles: the wgmma
-// kernel with a gathering producer warpgroup (csrc/decode_wgmma.cu, 64-entry units).
-void launch_sparse_mma16(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream) {
-  if (fp8_ds_mla) launch_mma_decode<__nv_bfloat16, 16, KvFormat::kFp8DsMla, true>(p, stream);
-  else launch_mma_decode<__nv_bfloat16, 16, KvFormat::k16, true>(p, stream);
-}
-
-}  // namespace
 
 void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
                        const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
@@ -67,11 +58,8 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   p.topk = int(indices.size(2));
   p.group_s_q = int(s_q);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  switch (rows_per_cta) {
-    case 16: launch_sparse_mma16(p, ds, stream); break;
-    case 64: launch_sparse_wgmma(p, ds, stream); break;
-    default: TORCH_CHECK(false, "sparse_mla_decode: rows_per_cta must be 16 or 64, got ", rows_per_cta);
-  }
+  TORCH_CHECK(rows_per_cta == 64, "sparse_mla_decode: rows_per_cta must be 64, got ", rows_per_cta);
+  launch_sparse_wgmma(p, ds, stream);
 }
 
 }  // namespace mla_backend

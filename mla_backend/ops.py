@@ -385,13 +385,11 @@ MAX_SPARSE_GROUPS = 65535  # query tokens (batch * s_q) per call: the combine gr
 
 def _sparse_tile(num_heads: int) -> tuple[int, int, int]:
     """(rows per CTA, index-list entries per work unit, CTAs per SM) of the sparse kernel for
-    H heads: the mma.sync kernel with 16-row tiles (two CTAs per SM) up to 16 heads; above,
-    the wgmma kernel with a gathering producer warpgroup, 64-row tiles and 64-entry units,
-    so a gathered key serves 64 heads (at H = 32 it beat the mma.sync kernel's 32-row tiles
-    on every bench row despite the padding: docs/kernels/sparse_decode.md). Must agree with
-    csrc/decode_mma.cuh and csrc/decode_wgmma.cu."""
-    if num_heads <= 16:
-        return 16, 32, 2
+    H heads: the wgmma kernel with a gathering producer warpgroup, 64-row tiles and 64-entry
+    units at every H, so a gathered key serves up to 64 heads. H < 64 pads the tile: at
+    H = 16 it still beat the mma.sync kernel's 16-row tiles on every bench row (decode 3-36%,
+    prefill 30%: docs/kernels/sparse_decode.md, v4). Must agree with csrc/decode_wgmma.cu."""
+    del num_heads  # one tile shape for every head count
     return 64, 64, 1
 
 

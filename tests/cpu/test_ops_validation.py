@@ -132,7 +132,7 @@ def test_missing_extension_error_names_the_op_and_the_build(monkeypatch, tmp_pat
 
 def _sparse_args(batch=2, s_q=1, heads=16, topk=64, length=None):
     plan = ops.SparsePlan(batch=batch, q_tokens_per_req=s_q, num_heads=heads, topk=topk,
-                          topk_length=length, rows_per_cta=16, unit_tokens=32, num_ctas=1,
+                          topk_length=length, rows_per_cta=64, unit_tokens=64, num_ctas=1,
                           metadata=torch.zeros(batch * s_q + 2, dtype=torch.int32),
                           partial_out=torch.zeros(2, heads, 512),
                           partial_lse=torch.zeros(2, heads))
@@ -211,12 +211,12 @@ def test_plan_sparse_decode_rejects():
 
 
 def test_sparse_tiles_cover_every_head_count():
+    # every H runs on the wgmma kernel: one 64-row tile per 64 heads, 64-entry units, and
+    # one wave of CTAs over the SMs shared by the tiles
     for heads in range(1, 129):
         rows, unit, ctas = ops._sparse_grid(heads, 132)
-        assert rows in (16, 64) and heads <= rows * -(-heads // rows)
-        assert (rows == 16) == (heads <= 16) and ctas >= 66
-        # the wgmma kernel (64-row tiles) walks 64-entry units, the mma.sync kernel 32
-        assert unit == (64 if rows == 64 else 32)
+        assert (rows, unit) == (64, 64)
+        assert ctas == (132 if heads <= 64 else 66)
 
 
 def test_dense_tiles_for_every_row_count_and_both_cache_kinds():

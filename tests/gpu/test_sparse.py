@@ -119,18 +119,18 @@ def test_decode_heads_and_query_lengths(fmt, heads, s_q):
     _check_decode(3, s_q, heads, 512, fmt, lengths=[512, 77, 300])
 
 
-# 16 heads: the mma.sync kernel; 128: the wgmma kernel (two 64-row tiles)
+# 16 heads: one 64-row tile, 48 rows of it padding; 128: two tiles
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 @pytest.mark.parametrize("topk", [64, 100, 2048])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_decode_clustered_indices_and_ragged_lengths(fmt, topk, heads):
-    # lengths 0 (empty), short, not a multiple of the 32- or 64-entry unit, past topk (clamped)
+    # lengths 0 (empty), short, not a multiple of the 64-entry unit, past topk (clamped)
     _check_decode(6, 2, heads, topk, fmt, clustered=True,
                   lengths=[0, 5, topk - 3, topk + 100, 33, topk], num_blocks=80)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
-@pytest.mark.parametrize("heads", [16, 32])  # the mma.sync and the wgmma kernel
+@pytest.mark.parametrize("heads", [16, 32])  # padded tiles
 def test_decode_all_invalid_rows_and_topk_past_context(fmt, heads):
     q, cache, idx, _ = _case(4, 2, heads, 256, fmt, num_blocks=3, invalid_frac=0.0)
     idx[0] = -1                          # every index of entry 0 invalid
