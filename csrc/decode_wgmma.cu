@@ -182,9 +182,10 @@ __device__ __forceinline__ bool fill_has_rope(int b, int h) { return h == 2 || (
 template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparseDsMla;
 
 // The producer warpgroup of every source but kPagedTma. Thread t of its 128 handles list entry t / 2
-// of every unit, columns split between the two threads of a pair. Fills run in the order
-// the consumers release parts of the K buffers (unit pair a, b: K0 left, K0 right, K1 right,
-// K1 left, K1 rope; see kFills and the consumer loop), each after the previous occupant's
+// of every unit (its slot, validity and, fp8, the columns it converts; the bf16 source copies
+// whole lines through copy_rows). Fills run in the order the consumers release parts of the K
+// buffers (unit pair a, b: K0 left, K0 right, K1 right, K1 left, K1 rope, the bf16 source
+// taking K1 right first when it is free first; see kFills and the consumer loop), each after the previous occupant's
 // release ("empty" mbarrier: one arrival per warp of the releasing warpgroup). K0 goes
 // first: warpgroup 0's S of the next pair needs it, and K1's left half is released only when
 // that S is half issued (release_k1_left). A fill's copies are issued, then the previous fill
@@ -236,6 +237,14 @@ struct KeyProducer {
         cp_async_16s(dst_of(16 * warp + e, u), row + (s >= 0 ? u * 16 : 0), s >= 0 ? 16 : 0);
       }
     }
+  }
+
+  // part h of buffer b may be refilled now (never filled, or released); the same answer for
+  // the whole warp
+  __device__ bool free_now(int b, int h) const {
+    const int bit = fill_id(b, h);
+    if (!((used >> bit) & 1)) return true;
+    return __shfl_sync(0xffffffff, mbar_test(bars_empty + bit * 8, (empty_phase >> bit) & 1), 0);
   }
 
   // part h of buffer b from cache slot `slot` (-1: zeros, masked): h = 0 chunks 0-3, h = 1
@@ -454,10 +463,30 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           // the next pair's slots (loads in flight while this pair is issued)
           const int next_a = pa_ + 2 < pg_end ? slot_of(pa_ + 2) : -1;
           const int next_b = pa_ + 3 < pg_end ? slot_of(pa_ + 3) : -1;
-          issue(0, 0, slot_a);
-          issue(0, 1, slot_a);
+          // bf16: K0's left half (released by warpgroup 0) and K1's right half (by warpgroup
+          // 1) first, whichever is free first, finishing the pending fill while neither is. (The
+          // fp8 sources keep the fixed order: there the extra state spilled the slot prefetch.)
+          if constexpr (kSrc == KeySource::kSparse16) {
+            bool k1_right_first = false;
+            while (has_b) {
+              if (prod.free_now(0, 0)) break;
+              if (prod.free_now(1, 1)) { k1_right_first = true; break; }
+              if (pending.b >= 0) {
+                cp_async_wait<0>();
+                prod.finish(pending);
+                pending.b = -1;
+              }
+            }
+            if (k1_right_first) issue(1, 1, slot_b);
+            issue(0, 0, slot_a);
+            if (has_b && !k1_right_first) issue(1, 1, slot_b);
+            issue(0, 1, slot_a);
+          } else {
+            issue(0, 0, slot_a);
+            issue(0, 1, slot_a);
+            if (has_b) issue(1, 1, slot_b);
+          }
           if (has_b) {
-            issue(1, 1, slot_b);
             issue(1, 0, slot_b);
             issue(1, 2, slot_b);
           }
