@@ -729,21 +729,23 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         load_half(wg, 1, blk);
       }
     }
-    // Q tile -> smem, the running max reset
+    // Q tile -> smem (cp.async: every copy in flight at once, rows past `rows` zero-filled;
+    // plain loads stalled each store on its load), the running max reset
     for (int i = tid; i < kRows * kChunksPerRow; i += kConsumerThreads) {
       const int m = i / kChunksPerRow, c = i % kChunksPerRow;
       const int row = row0 + m;
-      uint4 v = make_uint4(0, 0, 0, 0);
+      const T* src = qbase;
       if (row < p.rows) {
         const int qi = row / p.heads, h = row % p.heads;
         // dense: request r = batch entry; sparse: group r = (b, s), qi = 0
-        const int64_t q_off = int64_t(r / p.group_s_q) * p.q_stride_b +
-                              int64_t(r % p.group_s_q + qi) * p.q_stride_s + int64_t(h) * p.q_stride_h;
-        v = __ldg(reinterpret_cast<const uint4*>(qbase + q_off) + c);
+        src += int64_t(r / p.group_s_q) * p.q_stride_b + int64_t(r % p.group_s_q + qi) * p.q_stride_s +
+               int64_t(h) * p.q_stride_h + c * 8;
       }
-      *reinterpret_cast<uint4*>(smem + sw128_offset(m, c * 8)) = v;
+      cp_async_16s(base + sw128_offset(m, c * 8), src, row < p.rows ? 16 : 0);
     }
+    cp_async_commit();
     if (tid < kRows) sM[tid] = kNoMax;
+    cp_async_wait<0>();
     fence_proxy_async();
     consumers_sync();
     if constexpr (!kProduced) {
