@@ -4,8 +4,9 @@
 // (unused now). Sparse attention ran here up to v3 and now runs on the wgmma kernel at every H
 // (docs/kernels/sparse_decode.md). Schedule and numbers: docs/kernels/dense_decode.md.
 //
-// Work unit: 32 consecutive key positions of one request (half a 64-token page). The planner writes unit prefix sums
-// P[0..B] and U (units per CTA); CTA c walks units [cU, cU+U), crossing request boundaries.
+// Work unit: 32 consecutive key positions of one request (half a 64-token page). The
+// planner writes unit prefix sums P[0..B] and U (units per CTA); CTA c walks units
+// [cU, cU+U), crossing request boundaries.
 // A request wholly inside one CTA is written straight to out/lse; a request spanning CTAs
 // leaves normalised partials (slot 0 if it is the CTA's first request, else slot 1) that
 // the combine kernel merges by lse.

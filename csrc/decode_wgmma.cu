@@ -185,10 +185,10 @@ template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 |
 // of every unit (its slot, validity and, fp8, the columns it converts; the bf16 source copies
 // whole lines through copy_rows). Fills run in the order the consumers release parts of the K
 // buffers (unit pair a, b: K0 left, K0 right, K1 right, K1 left, K1 rope, the bf16 source
-// taking K1 right first when it is free first; see kFills and the consumer loop), each after the previous occupant's
-// release ("empty" mbarrier: one arrival per warp of the releasing warpgroup). K0 goes
-// first: warpgroup 0's S of the next pair needs it, and K1's left half is released only when
-// that S is half issued (release_k1_left). A fill's copies are issued, then the previous fill
+// taking K1 right first when it is free first; see kFills and the consumer loop), each
+// after the previous occupant's release ("empty" mbarrier: one arrival per warp of the
+// releasing warpgroup). K0 goes first: warpgroup 0's S of the next pair needs it, and K1's
+// left half is released only when that S is half issued (release_k1_left). A fill's copies are issued, then the previous fill
 // is finished (cp.async landed; fp8: converted) and announced on its "full" mbarrier (128
 // arrivals); a fill whose buffer is still busy first finishes the one before it, so a
 // consumer never waits on a fill the producer holds back. T: the tile's element type (the
@@ -204,7 +204,8 @@ struct KeyProducer {
 
   __device__ uint32_t kbuf(int b) const { return kbuf0 + b * kTileBytes; }
   __device__ const unsigned char* token_row(int slot) const {
-    return kv + (int64_t(unsigned(slot) / kPage) * p.kv_stride_block + int64_t(unsigned(slot) % kPage) * p.kv_stride_tok) *
+    const unsigned s = unsigned(slot);  // callers pass slot >= 0: unsigned division is cheaper
+    return kv + (int64_t(s / kPage) * p.kv_stride_block + int64_t(s % kPage) * p.kv_stride_tok) *
                     (kSrc == KeySource::kSparse16 ? 2 : 1);
   }
 
