@@ -181,8 +181,8 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + (hr ? lrow1 : lrow0);
       if (row >= p.rows) continue;
-      const float inv_l = lt[hr] > 0.f ? kv_scale / lt[hr] : 0.f;  // O = kv_scale * P.v
-      const float lse_row = lt[hr] > 0.f ? (m_run[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
+      const float inv_l = lt[hr] != 0.f ? kv_scale / lt[hr] : 0.f;  // O = kv_scale * P.v
+      const float lse_row = lt[hr] != 0.f ? (m_run[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
       if (!split) {
         T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
 #pragma unroll

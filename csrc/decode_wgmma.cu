@@ -23,9 +23,9 @@
 //              other unit's V.
 // Each half of a K buffer (chunks 0-3 = V left, 4-8 = V right + rope) is released as soon as
 // its last reader's wgmma retires (kPagedTma: its TMA refill is issued; with a producer: the
-// producer's "empty" mbarrier is signalled, and K1's rope chunk, which holds P1, is a part of
-// its own), so the next pair of units streams in while this pair computes.
-// Shared memory: Q 72 KiB + 2 x K 72 KiB + P0 8 KiB + scalars = 225 KiB.
+// producer's "empty" mbarrier is signalled; P0 then lives in K0's rope chunk, see kFills), so
+// the next pair of units streams in while this pair computes.
+// Shared memory: Q 72 KiB + 2 x K 72 KiB + one P buffer 8 KiB + scalars = 225 KiB.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -148,6 +148,10 @@ __device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t phase) {
 __device__ __forceinline__ void cp_async_16s(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// the mbarrier gets one arrival (counted in its init) when this thread's cp.asyncs so far land
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void set_max_regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
@@ -171,21 +175,28 @@ __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* ma
 }
 
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;
-// With a producer, each K buffer is filled in parts, each with a "full" and an "empty"
-// mbarrier: K0 in two halves (chunks 0-3, 4-8), K1 in three (0-3, 4-7, and its rope chunk 8,
-// which holds P1 once S of its unit is done). So K1's V-right half is refilled as soon as
-// warpgroup 1's own PV retires, and only chunk 8 waits for warpgroup 0's PV with P1.
-constexpr int kFills = 5;
-__device__ __forceinline__ int fill_id(int b, int h) { return h == 2 ? 4 : 2 * b + h; }
-// the fill that carries a buffer's rope chunk: K0's right half, K1's own rope part
-__device__ __forceinline__ bool fill_has_rope(int b, int h) { return h == 2 || (h == 1 && b == 0); }
+// With a producer, each K buffer is filled in two halves (h = 0: chunks 0-3, h = 1: chunks
+// 4-8, the rope chunk included), each with a "full" and an "empty" mbarrier. P0 lives in K0's
+// rope chunk once S of its unit is done (its only smem reader, warpgroup 1's PV with V0's
+// right half, is also the last reader of that half), P1 in a buffer of its own: so every
+// half is released by its own last reader and K1's right half right after warpgroup 1's PV.
+constexpr int kFills = 4;
+#ifndef MLA_NOINC
+#define MLA_NOINC 1
+#endif
+// The bf16 sparse source converts nothing: its copies announce themselves on the "full"
+// mbarrier as they land (cp.async.mbarrier.arrive.noinc, 128 arrivals), plus one plain
+// arrival per producer warp after its lane 0 wrote the unit's mask (release for that store),
+// so the producer never waits for its own copies. The fp8 sources wait, convert, announce.
+template <KeySource kSrc> constexpr bool kLandArrivesOf = MLA_NOINC && kSrc == KeySource::kSparse16;
+__device__ __forceinline__ int fill_id(int b, int h) { return 2 * b + h; }
 template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparseDsMla;
 
 // The producer warpgroup of every source but kPagedTma. Thread t of its 128 handles list entry t / 2
 // of every unit (its slot, validity and, fp8, the columns it converts; the bf16 source copies
 // whole lines through copy_rows). Fills run in the order the consumers release parts of the K
-// buffers (unit pair a, b: K0 left, K0 right, K1 right, K1 left, K1 rope, the bf16 source
-// taking K1 right first when it is free first; see kFills and the consumer loop), each
+// buffers (unit pair a, b: K0 left, K0 right, K1 right, K1 left, the bf16 source taking K1
+// right first when it is free first; see kFills and the consumer loop), each
 // after the previous occupant's release ("empty" mbarrier: one arrival per warp of the
 // releasing warpgroup). K0 goes first: warpgroup 0's S of the next pair needs it, and K1's
 // left half is released only when that S is half issued (release_k1_left). A fill's copies are issued, then the previous fill
@@ -248,8 +259,8 @@ struct KeyProducer {
     return __shfl_sync(0xffffffff, mbar_test(bars_empty + bit * 8, (empty_phase >> bit) & 1), 0);
   }
 
-  // part h of buffer b from cache slot `slot` (-1: zeros, masked): h = 0 chunks 0-3, h = 1
-  // chunks 4-8 of K0 / 4-7 of K1, h = 2 K1's rope chunk 8 (see kFills)
+  // half h of buffer b from cache slot `slot` (-1: zeros, masked): h = 0 chunks 0-3, h = 1
+  // chunks 4-8 (see kFills)
   __device__ Fill issue(int b, int h, int slot, Fill& pending) {
     const int bit = fill_id(b, h);
     if ((used >> bit) & 1) {
@@ -276,22 +287,20 @@ struct KeyProducer {
     const uint32_t dst = kbuf(b);
     Fill f;
     f.b = b; f.h = h;
-    const bool rope_here = fill_has_rope(b, h);
+    const bool rope_here = h == 1;
     if constexpr (kSrc == KeySource::kSparse16) {
       // 16-byte units [0, 32) (h = 0), [32, 64) (h = 1) and the rope's [64, 72)
-      if (h < 2) copy_rows<32>(slot, 512 * h, [&](int e, int u) { return dst + sw128_offset(e, (32 * h + u) * 8); });
+      copy_rows<32>(slot, 512 * h, [&](int e, int u) { return dst + sw128_offset(e, (32 * h + u) * 8); });
       if (rope_here) copy_rows<8>(slot, 1024, [&](int e, int u) { return dst + sw128_offset(e, (64 + u) * 8); });
     } else {
       // 128 e4m3 values (fp8_ds_mla: this thread's scale tile 2h + part) staged raw: units
       // 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at this entry's 128-byte row (see
       // finish). Each thread copies what it converts: copy_rows' whole-line copies were
       // measured slower here (docs/kernels/sparse_decode.md, v4).
-      if (h < 2) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 + (part * 4 + (j & 3)) * 16;
-          cp_async_16s(stage, row + h * 256 + part * 128 + j * 16, nbytes);
-        }
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 + (part * 4 + (j & 3)) * 16;
+        cp_async_16s(stage, row + h * 256 + part * 128 + j * 16, nbytes);
       }
       if (rope_here) {
         if constexpr (kSrc == KeySource::kSparseDsMla) {  // rope: 64 bf16 at byte 528, straight to chunk 8
@@ -307,10 +316,17 @@ struct KeyProducer {
         }
       }
       if constexpr (kSrc == KeySource::kSparseDsMla) {
-        if (h < 2) f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + part) : 0.f;
+        f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + part) : 0.f;
       }
     }
-    cp_async_commit();
+    if constexpr (kLandArrivesOf<kSrc>) {
+      const uint32_t full = bars_full + bit * 8;
+      cp_async_arrive_noinc(full);
+      if (lane == 0) mbar_arrive(full);  // after the mask store above
+      f.b = -1;                          // nothing left to finish
+    } else {
+      cp_async_commit();
+    }
     return f;
   }
 
@@ -337,17 +353,15 @@ struct KeyProducer {
         *reinterpret_cast<uint4*>(gen + sw128_offset(tk, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
       };
       auto put = [&](int j, uint4 raw) { put_at(256 * f.h + part * 128 + j * 16, raw); };
-      if (f.h < 2) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) put(j, raw_at(j));  // to chunks 4h, 4h+2: no raw there
-        uint4 hi[4];
+      for (int j = 0; j < 4; ++j) put(j, raw_at(j));  // to chunks 4h, 4h+2: no raw there
+      uint4 hi[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) hi[j] = raw_at(4 + j);
-        __syncwarp();  // every raw unit of the warp's rows is in registers or already used
+      for (int j = 0; j < 4; ++j) hi[j] = raw_at(4 + j);
+      __syncwarp();  // every raw unit of the warp's rows is in registers or already used
 #pragma unroll
-        for (int j = 0; j < 4; ++j) put(4 + j, hi[j]);
-      }
-      if (kSrc == KeySource::kPagedFp8 && fill_has_rope(f.b, f.h)) {  // rope, raw in chunk 8
+      for (int j = 0; j < 4; ++j) put(4 + j, hi[j]);
+      if (kSrc == KeySource::kPagedFp8 && f.h == 1) {  // rope, raw in chunk 8
         uint4 rope[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -377,10 +391,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   unsigned char* smem = smem_raw + (base - raw);
   const uint32_t sQ = base;
   auto sKbuf = [&](int b) { return base + (1 + b) * kTileBytes; };
-  const uint32_t sP0 = base + 3 * kTileBytes;
-  // P1: kPagedTma, Q's rope chunk once it is in registers; with a producer (fewer registers
-  // left), K1's rope chunk, dead once S of its unit is done
-  const uint32_t sP1 = kProduced ? sKbuf(1) + 8 * kChunkBytes : sQ + 8 * kChunkBytes;
+  // kPagedTma: P0 in a buffer of its own, P1 in Q's rope chunk once that is in registers;
+  // with a producer (fewer registers left): P0 in K0's rope chunk, dead once S of its unit is
+  // done (see kFills), P1 in the buffer of its own
+  const uint32_t sP0 = kProduced ? sKbuf(0) + 8 * kChunkBytes : base + 3 * kTileBytes;
+  const uint32_t sP1 = kProduced ? base + 3 * kTileBytes : sQ + 8 * kChunkBytes;
   float* sM = reinterpret_cast<float*>(smem + 3 * kTileBytes + kPBytes);  // running max (log2)
   float* sScale0 = sM + kRows;
   float* sScale1 = sScale0 + kRows;
@@ -388,7 +403,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   // mbarriers. kPagedTma: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8. With a
   // producer: "full" of part h of buffer b at bars + fill_id(b, h) * 8, "empty" at
   // bars + (kFills + fill_id(b, h)) * 8.
-  const uint32_t bars = sP0 + kPBytes + 5 * kRows * sizeof(float);
+  const uint32_t bars = base + 3 * kTileBytes + kPBytes + 5 * kRows * sizeof(float);
   uint32_t* sMask = reinterpret_cast<uint32_t*>(smem + (bars - base) + 18 * 8);  // sparse: [2][4]
 
   const int tid = threadIdx.x, lane = tid & 31;
@@ -398,7 +413,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   const bool wg_leader = wtid == 0;
   if (tid == 0) {
     if constexpr (kProduced) {
-      for (int i = 0; i < kFills; ++i) mbar_init(bars + i * 8, 128);  // full: every producer thread
+      // full: every producer thread (+ each producer warp once, see kLandArrivesOf)
+      for (int i = 0; i < kFills; ++i) mbar_init(bars + i * 8, kLandArrivesOf<kSrc> ? 132 : 128);
       for (int i = kFills; i < 2 * kFills; ++i) mbar_init(bars + i * 8, 4);  // empty: the releasing warpgroup's warps
     } else {
       for (int i = 0; i < 18; ++i) mbar_init(bars + i * 8, 1);
@@ -487,10 +503,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
             issue(0, 1, slot_a);
             if (has_b) issue(1, 1, slot_b);
           }
-          if (has_b) {
-            issue(1, 0, slot_b);
-            issue(1, 2, slot_b);
-          }
+          if (has_b) issue(1, 0, slot_b);
           slot_a = next_a;
           slot_b = next_b;
         }
@@ -528,22 +541,20 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   // TMA the next page there (if there is one); otherwise tell the producer
   auto release = [&](int b, int h, bool has_next, int next_blk) {
     if constexpr (kProduced) {
-      if (lane == 0) {
-        mbar_arrive(bars + (kFills + fill_id(b, h)) * 8);
-        // K1's left half goes when warpgroup 0's PV with P1 retired: so does P1, in chunk 8
-        if (b == 1 && h == 0) mbar_arrive(bars + (kFills + fill_id(1, 2)) * 8);
-      }
+      if (lane == 0) mbar_arrive(bars + (kFills + fill_id(b, h)) * 8);
     } else {
       if (wg_leader && has_next) load_half(b, h, next_blk);
     }
   };
   auto wait_chunk = [&](int b, int c) {
     if constexpr (kProduced) {
-      // one barrier per part: chunks 0-3, 4-8 (K0) or 4-7 and 8 (K1)
-      if (c != 0 && c != 4 && !(c == 8 && b == 1)) return;
-      const int bit = fill_id(b, c == 8 ? 2 : c >> 2);
+      // one barrier per half: chunks 0-3, 4-8
+      if (c != 0 && c != 4) return;
+      const int bit = fill_id(b, c >> 2);
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
       phases ^= 1u << bit;
+      // cp.async wrote the half through the generic proxy and no producer thread fenced it
+      if constexpr (kLandArrivesOf<kSrc>) fence_proxy_async();
     } else {
       const int bit = 9 * b + c;
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
@@ -565,8 +576,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     constexpr int b = decltype(b_const)::value;
 #pragma unroll
     for (int i = 0; i < 9; ++i) {
-      // produced K1: the rope chunk (refilled last, after warpgroup 0's PV with P1) last
-      const int c = b == 0 ? i : kProduced ? (i < 4 ? i + 4 : i < 8 ? i - 4 : 8) : (i + 4) % 9;
+      const int c = b == 0 ? i : (i + 4) % 9;
       wait_chunk(b, c);
       cute::warpgroup_arrive();
 #pragma unroll
@@ -890,8 +900,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + wrow + hr * 8;
       if (row >= p.rows) continue;
-      const float inv_l = lt[hr] > 0.f ? kv_scale / lt[hr] : 0.f;  // kv_scale: O = kv_scale * P.v8
-      const float lse_row = lt[hr] > 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
+      const float inv_l = lt[hr] != 0.f ? kv_scale / lt[hr] : 0.f;  // kv_scale: O = kv_scale * P.v8
+      const float lse_row = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
       if (!split) {
         T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv + wg * 256;
 #pragma unroll

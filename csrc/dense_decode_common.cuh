@@ -113,8 +113,11 @@ template <> struct Mma<__half> {
   }
 };
 
-// 16 e4m3 values (one 16-byte chunk) -> 16 values of T (8 packed pairs), each times `scale`
-// (scale 1: exact in bf16 and fp16).
+// 16 e4m3 values (one 16-byte chunk) -> 16 values of T (8 packed pairs), each rounded once
+// from the float32 product value * `scale`, as formats.py dequantizes. (A bit-level
+// conversion with one conversion-pipe instruction per pair instead of two, but 9
+// instructions instead of 6, was 15-25% slower: the producer is bound by its instruction
+// count, not by that pipe; docs/kernels/sparse_decode.md, v5.)
 template <typename T>
 __device__ __forceinline__ void convert_e4m3x16(uint4 raw, float scale, uint32_t* packed) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -128,6 +131,12 @@ __device__ __forceinline__ void convert_e4m3x16(uint4 raw, float scale, uint32_t
       packed[j * 2 + h] = Mma<T>::pack(f.x * scale, f.y * scale);
     }
   }
+}
+// max that returns NaN when either input is (fmaxf returns the other one)
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
 }
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -207,19 +216,20 @@ __global__ void __launch_bounds__(32 * kCombineWarps) dense_decode_combine_kerne
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const float w = __shfl_xor_sync(0xffffffff, v, o);
-      v = is_max ? fmaxf(v, w) : v + w;
+      v = is_max ? fmax_nan(v, w) : v + w;
     }
     if (lane == 0) s_red[warp] = v;
     __syncthreads();
     v = s_red[0];
 #pragma unroll
-    for (int i = 1; i < kCombineWarps; ++i) v = is_max ? fmaxf(v, s_red[i]) : v + s_red[i];
+    for (int i = 1; i < kCombineWarps; ++i) v = is_max ? fmax_nan(v, s_red[i]) : v + s_red[i];
     __syncthreads();
     return v;
   };
-  // max and sum of exp over the splits' lse, all threads striding over splits
+  // max and sum of exp over the splits' lse, all threads striding over splits (a NaN lse, a
+  // NaN in the keys, makes the row NaN: the max keeps it)
   float mx = -INFINITY;
-  for (int c = first + tid; c <= last; c += 32 * kCombineWarps) mx = fmaxf(mx, __ldg(p.part_lse + slot_row(c)));
+  for (int c = first + tid; c <= last; c += 32 * kCombineWarps) mx = fmax_nan(mx, __ldg(p.part_lse + slot_row(c)));
   mx = block_reduce(mx, true);
   float wsum = 0.f;
   if (mx != -INFINITY)
@@ -246,7 +256,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) dense_decode_combine_kerne
   }
   __syncthreads();
   if (warp != 0) return;
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  const float inv = wsum != 0.f ? 1.f / wsum : 0.f;  // 0: no split had a key
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
 #pragma unroll
@@ -257,7 +267,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) dense_decode_combine_kerne
     *reinterpret_cast<uint2*>(out + k * 128 + lane * 4) =
         make_uint2(Mma<T>::pack(acc[k].x * inv, acc[k].y * inv), Mma<T>::pack(acc[k].z * inv, acc[k].w * inv));
   }
-  if (lane == 0) p.lse[int64_t(r) * p.rows + row] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
+  if (lane == 0) p.lse[int64_t(r) * p.rows + row] = wsum != 0.f ? mx + __logf(wsum) : -INFINITY;
 }
 
 // Launchers (host): tokens per work unit are 32 for the mma.sync kernel, 64 for wgmma.

@@ -48,7 +48,8 @@ def _attend(scores: torch.Tensor, valid: torch.Tensor, values: torch.Tensor,
     invalid keys (so 0 * NaN cannot occur)."""
     scores = scores.masked_fill(~valid, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    attended = torch.isfinite(lse)
+    # rows with no valid key (lse -inf) give 0; a NaN among the keys or q gives a NaN row
+    attended = lse != float("-inf")
     probs = torch.exp(scores - torch.where(attended, lse, 0.0).unsqueeze(-1))
     probs = torch.where(valid & attended.unsqueeze(-1), probs, 0.0)
     out = torch.einsum(pv_equation, probs, values)

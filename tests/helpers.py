@@ -61,3 +61,18 @@ def naive_dense_decode(q, cache, table, lens, scale, causal=True):
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# e4m3 byte populations for the fp8 conversion tests: every code but the two NaNs, only the
+# subnormals (and zeros), only the two largest binades
+E4M3_POPULATIONS = {
+    "every": [c for c in range(256) if c & 0x7F != 0x7F],
+    "subnormal": list(range(0x00, 0x08)) + list(range(0x80, 0x88)),
+    "largest": list(range(0x70, 0x7F)) + list(range(0xF0, 0xFF)),
+}
+
+
+def e4m3_codes(population: str, shape, g: torch.Generator) -> torch.Tensor:
+    """Random uint8 e4m3 codes drawn uniformly from one of E4M3_POPULATIONS."""
+    pool = torch.tensor(E4M3_POPULATIONS[population], dtype=torch.uint8)
+    return pool[torch.randint(0, pool.numel(), tuple(shape), generator=g)]

@@ -14,7 +14,7 @@ import torch
 
 from mla_backend import formats, ops
 from mla_backend import reference as ref
-from tests.helpers import paged_case, rel_l2
+from tests.helpers import e4m3_codes, paged_case, rel_l2
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3}
@@ -215,12 +215,18 @@ def test_probe_scale_runs():
 
 # ---- per-tensor fp8 cache (576 bytes per token, value = e4m3 * kv_scale)
 
-def _check_fp8(lens, s_q, heads, dtype=torch.bfloat16, scale_as_tensor=False, strided=False):
-    from mla_backend import formats
+def _check_fp8(lens, s_q, heads, dtype=torch.bfloat16, scale_as_tensor=False, strided=False,
+               population=None):
     q, cache16, table, seq = paged_case(lens, s_q, heads, dtype=dtype, device="cuda",
                                         seed=_fresh_seed())
     kv_scale = float(cache16.float().nan_to_num(0).abs().amax() / 448)
     cache = formats.quantize_fp8_per_tensor(cache16, kv_scale)  # NaN in unused slots stays NaN
+    if population is not None:  # used tokens' bytes replaced by random codes of the population
+        raw = cache.view(torch.uint8)
+        used = ~((raw & 0x7F) == 0x7F).all(-1)
+        g = torch.Generator().manual_seed(_fresh_seed())
+        raw[used] = e4m3_codes(population, (int(used.sum()), 576), g).cuda()
+        kv_scale = 0.01
     if strided:
         big = torch.zeros(cache.shape[0], 2, 64, 576, dtype=torch.float8_e4m3fn, device="cuda")
         big[:, 1] = cache
@@ -250,6 +256,30 @@ def test_fp8_cache_heads_and_query_lengths(heads, s_q):
 @pytest.mark.parametrize("heads", [16, 64])
 def test_fp8_cache_fp16_tensor_scale_strided(heads):
     _check_fp8([300, 5, 1500], 2, heads, dtype=torch.float16, scale_as_tensor=True, strided=True)
+
+
+# every e4m3 code, subnormals alone and the largest binades alone: the kernels' bit-level
+# conversion (docs/kernels/sparse_decode.md, v5) against the float32 dequantization; a
+# flushed subnormal or a wrong exponent is a wrong output, not a rounding
+@pytest.mark.parametrize("population", ["every", "subnormal", "largest"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [8, 64])  # mma.sync and wgmma kernels
+def test_fp8_cache_every_e4m3_code(population, dtype, heads):
+    _check_fp8([700, 64, 5], 1, heads, dtype=dtype, population=population)
+
+
+@pytest.mark.parametrize("heads", [8, 64])
+def test_fp8_cache_nan_code_reaches_the_output(heads):
+    """An e4m3 NaN (0x7F / 0xFF) in a token of request 1 makes request 1's rows NaN, as in
+    the reference; request 0 is unaffected."""
+    q, cache16, table, seq = paged_case([300, 200], 1, heads, device="cuda", seed=_fresh_seed())
+    cache = formats.quantize_fp8_per_tensor(cache16, 0.02)
+    cache.view(torch.uint8)[int(table[1, 1]), 7, 130] = 0xFF  # token 71 of request 1
+    plan = ops.plan_decode(seq, 1, heads, kv_cache_dtype=torch.float8_e4m3fn)
+    got, _ = ops.mla_decode(q, cache, table, seq, plan, 576 ** -0.5, kv_scale=0.02)
+    want, _ = ref.mla_decode(q, cache, table, seq, None, 576 ** -0.5, kv_scale=0.02)
+    assert want[1].isnan().all() and got[1].isnan().all()
+    assert not got[0].isnan().any() and rel_l2(got[0], want[0]) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("heads", [8, 128])

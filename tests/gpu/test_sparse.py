@@ -18,7 +18,7 @@ import torch
 
 from mla_backend import formats, ops
 from mla_backend import reference as ref
-from tests.helpers import rel_l2
+from tests.helpers import e4m3_codes, rel_l2
 
 pytestmark = pytest.mark.gpu
 TOL_OUT, TOL_LSE = 8e-3, 2e-3
@@ -142,6 +142,42 @@ def test_decode_all_invalid_rows_and_topk_past_context(fmt, heads):
     _compare(got, lse, want, want_lse)
     assert torch.isinf(lse[0]).all() and torch.isinf(lse[1, 1]).all()
     assert torch.isfinite(lse[1, 0]).all() and torch.isfinite(lse[2]).all()
+
+
+# every e4m3 code, subnormals alone, the largest binades alone, with random tile scales:
+# the producer's bit-level conversion (docs/kernels/sparse_decode.md, v5) must give the
+# same bf16 keys as the format's float32 dequantization rounded once
+@pytest.mark.parametrize("population", ["every", "subnormal", "largest"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_fp8_ds_mla_every_e4m3_code(population, heads):
+    g = _gen()
+    q, cache, idx, length = _case(4, 2, heads, 256, "fp8_ds_mla", num_blocks=20,
+                                  lengths=[256, 100, 3, 256], g=g)
+    used = ~(cache == 0xFF).all(-1)
+    n = int(used.sum())
+    cache[used, :512] = e4m3_codes(population, (n, 512), g).cuda()
+    scales = 10 ** (torch.rand(n, 4, generator=g) * 2 - 3)  # 1e-3 .. 1e-1
+    cache[used, 512:528] = scales.contiguous().view(torch.uint8).cuda()
+    plan = ops.plan_sparse_decode(4, 2, heads, 256, topk_length=length, device="cuda")
+    got, lse = ops.sparse_mla_decode(q, cache, idx, plan, 0.05, topk_length=length)
+    want, want_lse = ref.sparse_mla_decode(q, _kernel_keys(cache), idx, None, 0.05, length)
+    _compare(got, lse, want, want_lse)
+
+
+def test_decode_fp8_ds_mla_nan_code_reaches_the_output():
+    """An e4m3 NaN in a listed token makes every query row that lists it NaN, as in the
+    reference; the other rows are unaffected."""
+    q, cache, idx, _ = _case(3, 1, 64, 128, "fp8_ds_mla", num_blocks=10, invalid_frac=0.0)
+    slot = int(idx[1, 0, 5])
+    cache.view(-1, 656)[slot, 300] = 0x7F
+    plan = ops.plan_sparse_decode(3, 1, 64, 128, device="cuda")
+    got, _ = ops.sparse_mla_decode(q, cache, idx, plan, 0.05)
+    want, want_lse = ref.sparse_mla_decode(q, _kernel_keys(cache), idx, None, 0.05)
+    nan_rows = want.isnan().any(-1)
+    assert nan_rows[1, 0].all() and torch.equal(want[nan_rows].isnan().all(-1), nan_rows[nan_rows])
+    assert torch.equal(got.isnan().all(-1), nan_rows) and torch.equal(got.isnan().any(-1), nan_rows)
+    ok = ~nan_rows
+    assert rel_l2(got[ok], want[ok]) < TOL_OUT
 
 
 def test_decode_large_batch_and_topk_16384():
