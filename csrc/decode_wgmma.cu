@@ -181,14 +181,11 @@ template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTm
 // right half, is also the last reader of that half), P1 in a buffer of its own: so every
 // half is released by its own last reader and K1's right half right after warpgroup 1's PV.
 constexpr int kFills = 4;
-#ifndef MLA_NOINC
-#define MLA_NOINC 1
-#endif
 // The bf16 sparse source converts nothing: its copies announce themselves on the "full"
 // mbarrier as they land (cp.async.mbarrier.arrive.noinc, 128 arrivals), plus one plain
 // arrival per producer warp after its lane 0 wrote the unit's mask (release for that store),
 // so the producer never waits for its own copies. The fp8 sources wait, convert, announce.
-template <KeySource kSrc> constexpr bool kLandArrivesOf = MLA_NOINC && kSrc == KeySource::kSparse16;
+template <KeySource kSrc> constexpr bool kLandArrivesOf = kSrc == KeySource::kSparse16;
 __device__ __forceinline__ int fill_id(int b, int h) { return 2 * b + h; }
 template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparseDsMla;
 
@@ -467,19 +464,32 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         // cache slot of this thread's entry of unit pg (-1: zero-filled, masked)
         const int* list = kSparse ? sparse_group_indices(p, r) : nullptr;
         const int len = kSparse ? sparse_group_len(p, r) : __ldg(p.seq_lens + r);
-        auto slot_of = [&](int pg) {
+        // unit pg's entry for this thread as loaded (sparse: the listed slot; dense: the
+        // page's block id; -1: none), and the cache slot it names (-1: zero-filled, masked).
+        // The fp8 sources check the next pair's entries only when that pair starts: a check
+        // right after the load stalled their producer each pair (decode -2 to -4%). The bf16
+        // source checks at once: there the later check measured up to 5% slower (prefill,
+        // docs/kernels/sparse_decode.md, v6).
+        auto fetch = [&](int pg) {
           if constexpr (kSparse) {
-            return sparse_slot_at(p, list, len, pg * kKeys + prod.tk);
+            const int pos = pg * kKeys + prod.tk;
+            return pos < len ? __ldg(list + pos) : -1;
           } else {  // dense: token pg * 64 + tk of the request, on its page's block
-            return pg < p.max_blocks && pg * kKeys + prod.tk < len ? block_of(r, pg) * kPage + prod.tk : -1;
+            return pg < p.max_blocks && pg * kKeys + prod.tk < len ? block_of(r, pg) : -1;
           }
         };
-        int slot_a = slot_of(pg_begin), slot_b = pg_begin + 1 < pg_end ? slot_of(pg_begin + 1) : -1;
+        auto slot_from = [&](int entry) {
+          if constexpr (kSparse) return entry >= 0 && entry < p.num_slots ? entry : -1;
+          else return entry >= 0 ? entry * kPage + prod.tk : -1;
+        };
+        int slot_a = slot_from(fetch(pg_begin)), slot_b = pg_begin + 1 < pg_end ? slot_from(fetch(pg_begin + 1)) : -1;
         for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
           const bool has_b = pa_ + 1 < pg_end;
-          // the next pair's slots (loads in flight while this pair is issued)
-          const int next_a = pa_ + 2 < pg_end ? slot_of(pa_ + 2) : -1;
-          const int next_b = pa_ + 3 < pg_end ? slot_of(pa_ + 3) : -1;
+          // the next pair's entries (loads in flight while this pair is issued)
+          constexpr bool kLateCheck = kFp8Of<kSrc>;
+          auto early = [&](int entry) { return kLateCheck ? entry : slot_from(entry); };
+          const int next_a = early(pa_ + 2 < pg_end ? fetch(pa_ + 2) : -1);
+          const int next_b = early(pa_ + 3 < pg_end ? fetch(pa_ + 3) : -1);
           // bf16: K0's left half (released by warpgroup 0) and K1's right half (by warpgroup
           // 1) first, whichever is free first, finishing the pending fill while neither is. (The
           // fp8 sources keep the fixed order: there the extra state spilled the slot prefetch.)
@@ -504,8 +514,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
             if (has_b) issue(1, 1, slot_b);
           }
           if (has_b) issue(1, 0, slot_b);
-          slot_a = next_a;
-          slot_b = next_b;
+          slot_a = kLateCheck ? slot_from(next_a) : next_a;
+          slot_b = kLateCheck ? slot_from(next_b) : next_b;
         }
         u = Pr + pg_end;
       }

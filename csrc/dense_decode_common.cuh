@@ -70,17 +70,13 @@ inline DecodeParams decode_params(const at::Tensor& q, const at::Tensor& kv_cach
   return p;
 }
 
-// Sparse: the index list of query group r, its length, and the slot of list entry pos (-1
-// when pos is past the length or the slot outside [0, num_slots): skipped like -1).
+// Sparse: the index list of query group r and its length (entries past it, and slots outside
+// [0, num_slots), are skipped like -1; the wgmma producer checks them).
 __device__ __forceinline__ const int* sparse_group_indices(const DecodeParams& p, int r) {
   return p.indices + int64_t(r / p.group_s_q) * p.idx_stride_b + int64_t(r % p.group_s_q) * p.idx_stride_s;
 }
 __device__ __forceinline__ int sparse_group_len(const DecodeParams& p, int r) {
   return p.topk_length != nullptr ? min(max(__ldg(p.topk_length + r / p.group_s_q), 0), p.topk) : p.topk;
-}
-__device__ __forceinline__ int sparse_slot_at(const DecodeParams& p, const int* list, int len, int pos) {
-  const int slot = pos < len ? __ldg(list + pos) : -1;
-  return (slot >= 0 && slot < p.num_slots) ? slot : -1;
 }
 
 template <typename T> struct Mma;
