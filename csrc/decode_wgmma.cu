@@ -225,10 +225,12 @@ struct KeyProducer {
   // Copies 16-byte units [0, kUnits) at byte src_off of each of the warp's 16 entry rows to
   // dst_of(entry, unit). 8 lanes share an entry, each taking every 8th unit, so one copy
   // instruction reads whole 128-byte lines of 4 entries (one whose 32 lanes read 32
-  // different lines costs L1 and L2 a request per line, 8x more). Slots come from their
-  // owner threads (entry e: lanes 2e, 2e + 1 of the warp) by shuffle.
+  // different lines costs L1 and L2 a request per line, 8x more). Each entry's row offset
+  // (bytes from kv, -1: none) comes from its owner threads (entry e: lanes 2e, 2e + 1 of the
+  // warp) by shuffle, computed there once per fill: per lane and entry the address math and
+  // its stride loads made the fill's issue 2-3x longer (docs/kernels/sparse_decode.md, v9).
   template <int kUnits, typename DstOf>
-  __device__ __forceinline__ void copy_rows(int slot, int src_off, DstOf dst_of) const {
+  __device__ __forceinline__ void copy_rows(int64_t row_off, int src_off, DstOf dst_of) const {
     static_assert(kUnits % 8 == 0, "whole 128-byte lines");
     constexpr int kLanes = 8, kPerCopy = 32 / kLanes;
     // re-read, not hoisted: lane-derived offsets kept live across the producer loop would
@@ -238,12 +240,12 @@ struct KeyProducer {
 #pragma unroll
     for (int j = 0; j < 16 / kPerCopy; ++j) {
       const int e = j * kPerCopy + ln / kLanes;
-      const int s = __shfl_sync(0xffffffff, slot, 2 * e);
-      const unsigned char* row = s >= 0 ? token_row(s) + src_off : kv;
+      const int64_t off = __shfl_sync(0xffffffff, row_off, 2 * e);
+      const unsigned char* row = off >= 0 ? kv + off + src_off : kv;
 #pragma unroll
       for (int k = 0; k < kUnits / kLanes; ++k) {
         const int u = ln % kLanes + kLanes * k;
-        cp_async_16s(dst_of(16 * warp + e, u), row + (s >= 0 ? u * 16 : 0), s >= 0 ? 16 : 0);
+        cp_async_16s(dst_of(16 * warp + e, u), row + (off >= 0 ? u * 16 : 0), off >= 0 ? 16 : 0);
       }
     }
   }
@@ -280,6 +282,7 @@ struct KeyProducer {
     }
     const bool ok = slot >= 0;
     const unsigned char* row = ok ? token_row(slot) : kv;
+    const int64_t row_off = ok ? row - kv : -1;
     const int nbytes = ok ? 16 : 0;
     const uint32_t dst = kbuf(b);
     Fill f;
@@ -287,8 +290,8 @@ struct KeyProducer {
     const bool rope_here = h == 1;
     if constexpr (kSrc == KeySource::kSparse16) {
       // 16-byte units [0, 32) (h = 0), [32, 64) (h = 1) and the rope's [64, 72)
-      copy_rows<32>(slot, 512 * h, [&](int e, int u) { return dst + sw128_offset(e, (32 * h + u) * 8); });
-      if (rope_here) copy_rows<8>(slot, 1024, [&](int e, int u) { return dst + sw128_offset(e, (64 + u) * 8); });
+      copy_rows<32>(row_off, 512 * h, [&](int e, int u) { return dst + sw128_offset(e, (32 * h + u) * 8); });
+      if (rope_here) copy_rows<8>(row_off, 1024, [&](int e, int u) { return dst + sw128_offset(e, (64 + u) * 8); });
     } else {
       // 128 e4m3 values (fp8_ds_mla: this thread's scale tile 2h + part) staged raw: units
       // 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at this entry's 128-byte row (see
