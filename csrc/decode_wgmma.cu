@@ -227,8 +227,9 @@ struct KeyProducer {
   // instruction reads whole 128-byte lines of 4 entries (one whose 32 lanes read 32
   // different lines costs L1 and L2 a request per line, 8x more). Each entry's row offset
   // (bytes from kv, -1: none) comes from its owner threads (entry e: lanes 2e, 2e + 1 of the
-  // warp) by shuffle, computed there once per fill: per lane and entry the address math and
-  // its stride loads made the fill's issue 2-3x longer (docs/kernels/sparse_decode.md, v9).
+  // warp) by shuffle, computed there once per fill: done per lane and entry, the address math
+  // and its stride reloads (the 56-register producer cannot keep the strides) lengthened each
+  // fill's issue, which the consumers wait on (docs/kernels/sparse_decode.md, v9).
   template <int kUnits, typename DstOf>
   __device__ __forceinline__ void copy_rows(int64_t row_off, int src_off, DstOf dst_of) const {
     static_assert(kUnits % 8 == 0, "whole 128-byte lines");
