@@ -495,18 +495,14 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           const int next_a = early(pa_ + 2 < pg_end ? fetch(pa_ + 2) : -1);
           const int next_b = early(pa_ + 3 < pg_end ? fetch(pa_ + 3) : -1);
           // bf16: K0's left half (released by warpgroup 0) and K1's right half (by warpgroup
-          // 1) first, whichever is free first, finishing the pending fill while neither is. (The
-          // fp8 sources keep the fixed order: there the extra state spilled the slot prefetch.)
+          // 1) first, whichever is free first (its fills leave nothing pending: kLandArrivesOf).
+          // (The fp8 sources keep the fixed order: there the extra state spilled the slot
+          // prefetch.)
           if constexpr (kSrc == KeySource::kSparse16) {
             bool k1_right_first = false;
             while (has_b) {
               if (prod.free_now(0, 0)) break;
               if (prod.free_now(1, 1)) { k1_right_first = true; break; }
-              if (pending.b >= 0) {
-                cp_async_wait<0>();
-                prod.finish(pending);
-                pending.b = -1;
-              }
             }
             if (k1_right_first) issue(1, 1, slot_b);
             issue(0, 0, slot_a);

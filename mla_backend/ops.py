@@ -383,21 +383,20 @@ FP8_DS_MLA_BYTES = formats.FP8_DS_MLA_BYTES
 MAX_SPARSE_GROUPS = 65535  # query tokens (batch * s_q) per call: the combine grid's y-dim
 
 
-def _sparse_tile(num_heads: int) -> tuple[int, int, int]:
-    """(rows per CTA, index-list entries per work unit, CTAs per SM) of the sparse kernel for
-    H heads: the wgmma kernel with a gathering producer warpgroup, 64-row tiles and 64-entry
-    units at every H, so a gathered key serves up to 64 heads. H < 64 pads the tile: at
-    H = 16 it still beat the mma.sync kernel's 16-row tiles on every bench row (decode 3-36%,
-    prefill 30%: docs/kernels/sparse_decode.md, v4). Must agree with csrc/decode_wgmma.cu."""
-    del num_heads  # one tile shape for every head count
-    return 64, 64, 1
+# The sparse kernel's tile at every H: the wgmma kernel with a gathering producer warpgroup,
+# 64-row tiles (one CTA per SM) and 64-entry units, so a gathered key serves up to 64 heads.
+# H < 64 pads the tile: at H = 16 it still beat the mma.sync kernel's 16-row tiles on every
+# bench row (decode 3-36%, prefill 30%: docs/kernels/sparse_decode.md, v4). Must agree with
+# csrc/decode_wgmma.cu (kRows, kUnitWgmma).
+SPARSE_ROWS_PER_CTA = 64
+SPARSE_UNIT_TOKENS = 64
 
 
 def _sparse_grid(num_heads: int, num_sms: int) -> tuple[int, int, int]:
-    """(rows per CTA, entries per unit, CTAs) of one call: one wave."""
-    rows_per_cta, unit_tokens, ctas_per_sm = _sparse_tile(num_heads)
-    m_tiles = math.ceil(num_heads / rows_per_cta)
-    return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
+    """(rows per CTA, entries per unit, CTAs) of one call: one wave of CTAs over the SMs,
+    shared by the H / 64 row tiles."""
+    m_tiles = math.ceil(num_heads / SPARSE_ROWS_PER_CTA)
+    return SPARSE_ROWS_PER_CTA, SPARSE_UNIT_TOKENS, max(1, num_sms // m_tiles)
 
 
 @dataclass
