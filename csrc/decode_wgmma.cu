@@ -26,6 +26,8 @@
 // producer's "empty" mbarrier is signalled; P0 then lives in K0's rope chunk, see kFills), so
 // the next pair of units streams in while this pair computes.
 // Shared memory: Q 72 KiB + 2 x K 72 KiB + one P buffer 8 KiB + scalars = 225 KiB.
+// fp8_ds_mla with two row tiles (H > 64) runs paired: the tiles are a 2-CTA cluster and each
+// converts half of every unit for both (KeyProducer, kPaired).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -51,8 +53,8 @@ constexpr int kTileBytes = (kDqk / 64) * kChunkBytes;  // 9 chunks: 72 KiB
 constexpr int kPBytes = kChunkBytes;                 // 64 rows x 64 keys
 constexpr int kHalfL = 4 * kChunkBytes;             // chunks 0-3: V columns 0-255
 // Q, K0, K1, P0; sM, sScale0, sScale1, sSum[2] (5 x 64 floats); 18 mbarriers; the sparse key
-// masks (2 buffers x 4 words); alignment slack
-constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 5 * kRows * sizeof(float) + 18 * 8 + 8 * 4 + 1024;
+// masks (2 buffers x 8 words, 4 used unless paired); alignment slack
+constexpr size_t kSmem = 3 * size_t(kTileBytes) + kPBytes + 5 * kRows * sizeof(float) + 18 * 8 + 16 * 4 + 1024;
 static_assert(kSmem <= 232448, "more shared memory than an sm_90 block can have");
 // Sparse: the producer warpgroup keeps few registers, the consumers take the rest
 // (2 x 224 + 56 = 3 x 168, the launch's 168 per thread; at 224 ptxas neither spills nor
@@ -166,6 +168,41 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(phase) : "memory");
 }
+// ---- 2-CTA clusters (kPaired): the peer's shared memory and barriers
+// this CTA's rank in its cluster
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// shared::cluster address of `addr` (a shared::cta address) in CTA `rank` of the cluster
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+// every thread of both CTAs: shared memory and barriers of both are ready / no longer used
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Stores to the peer CTA's shared memory that count their bytes on the peer's mbarrier
+// (complete_tx): the peer's waiters see them without a fence or a release on this side (a
+// release at cluster scope is a GPU-wide memory barrier here, which would also wait for this
+// thread's cp.asyncs in flight).
+__device__ __forceinline__ void st_async_v4(uint32_t addr, uint4 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async_b32(uint32_t addr, uint32_t v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr), "r"(v),
+               "r"(bar)
+               : "memory");
+}
+// an arrival on the peer's barrier (shared::cluster address)
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
 // One 64-column x 64-token box of page `blk` into a swizzled 8 KiB chunk.
 __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int col, int blk,
                                              uint32_t bar) {
@@ -201,16 +238,34 @@ template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 |
 // arrivals); a fill whose buffer is still busy first finishes the one before it, so a
 // consumer never waits on a fill the producer holds back. T: the tile's element type (the
 // fp8 caches are converted to it).
-template <typename T, KeySource kSrc>
+// kPaired (fp8_ds_mla, two row tiles): the group's two tiles run as a 2-CTA cluster with the
+// same units, and each CTA's producer gathers and converts only its half of every unit's
+// entries (rank r: entries 32r..32r+31, thread t: entry 32r + t / 4, quarter t % 4 of each
+// half's 256 values), writing the result to both CTAs' tiles; the "full" barriers count both
+// producers, the "empty" ones both CTAs' releases (docs/kernels/sparse_decode.md, v10).
+template <typename T, KeySource kSrc, bool kPaired>
 struct KeyProducer {
   const DecodeParams& p;
   const unsigned char* kv;
   uint32_t kbuf0, bars_full, bars_empty;
-  uint32_t* masks;  // sparse: [2 buffers][4 warps]: bit 2j of word w = entry 16w + j of the unit is valid
+  // sparse: [2 buffers][4 words]: bit 2j of word w = entry 16w + j of the unit is valid;
+  // kPaired [2][8]: bit 2j of word w = entry 8w + j (each producer warp's own word)
+  uint32_t* masks;
   int tk, part, warp, lane;
+  uint32_t peer_delta;  // kPaired: the peer's shared::cluster address of x is x + peer_delta
   uint32_t used = 0, empty_phase = 0;  // bit fill_id(b, h): that part filled before / parity
 
   __device__ uint32_t kbuf(int b) const { return kbuf0 + b * kTileBytes; }
+  // kPaired: this thread's entry and quarter (tk, part), re-derived where the copies and
+  // conversions use them: the offsets ptxas derived from tk and part once and kept across
+  // the producer loop spilled the 56-register producer
+  __device__ __forceinline__ void paired_ids(int& e, int& q) const {
+    uint32_t t, r;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    e = 32 * int(r) + int((t & 127) >> 2);
+    q = int(t & 3);
+  }
   __device__ const unsigned char* token_row(int slot) const {
     const unsigned s = unsigned(slot);  // callers pass slot >= 0: unsigned division is cheaper
     return kv + (int64_t(s / kPage) * p.kv_stride_block + int64_t(s % kPage) * p.kv_stride_tok) *
@@ -277,7 +332,18 @@ struct KeyProducer {
       empty_phase ^= 1u << bit;
     }
     used |= 1u << bit;
-    if constexpr (kSrc != KeySource::kPagedFp8) {  // dense masks by position (seq_len, causal)
+    if constexpr (kPaired) {
+      // the warp's entries 8 wq .. 8 wq + 7 of the unit, in both CTAs (lane l < 16 reports
+      // entry l / 2, owned by lane 4 (l / 2)); the peer counts the 4 bytes on this fill's
+      // "full" barrier (see finish)
+      const bool entry_ok = __shfl_sync(0xffffffff, slot >= 0, (lane & 14) * 2);
+      const uint32_t valid = __ballot_sync(0xffffffff, lane < 16 && entry_ok);
+      if (lane == 0) {
+        uint32_t* word = masks + b * 8 + tk / 8;
+        *word = valid;
+        st_async_b32(smem_addr(word) + peer_delta, valid, bars_full + bit * 8 + peer_delta);
+      }
+    } else if constexpr (kSrc != KeySource::kPagedFp8) {  // dense masks by position (seq_len, causal)
       const uint32_t valid = __ballot_sync(0xffffffff, slot >= 0);
       if (lane == 0) masks[b * 4 + warp] = valid;
     }
@@ -289,7 +355,25 @@ struct KeyProducer {
     Fill f;
     f.b = b; f.h = h;
     const bool rope_here = h == 1;
-    if constexpr (kSrc == KeySource::kSparse16) {
+    if constexpr (kPaired) {
+      // this thread's 64 e4m3 values of the half (quarter `part`) staged raw at its entry's
+      // row: quarters 0, 1 in chunk 4h + 1, quarters 2, 3 in chunk 4h + 3 (see finish); its
+      // 32 bytes of the rope straight to chunk 8 (forwarded to the peer in finish)
+      static_assert(kSrc == KeySource::kSparseDsMla, "only fp8_ds_mla runs paired");
+      int e, q;
+      paired_ids(e, q);
+      const uint32_t stage = dst + (4 * h + 1 + 2 * (q >> 1)) * kChunkBytes + e * 128 + (q & 1) * 64;
+      const unsigned char* src = row + h * 256 + q * 64;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) cp_async_16s(stage + j * 16, src + j * 16, nbytes);
+      if (rope_here) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          cp_async_16s(dst + sw128_offset(e, 512 + q * 16 + j * 8), row + 528 + q * 32 + j * 16, nbytes);
+        }
+      }
+      f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + (q >> 1)) : 0.f;
+    } else if constexpr (kSrc == KeySource::kSparse16) {
       // 16-byte units [0, 32) (h = 0), [32, 64) (h = 1) and the rope's [64, 72)
       copy_rows<32>(row_off, 512 * h, [&](int e, int u) { return dst + sw128_offset(e, (32 * h + u) * 8); });
       if (rope_here) copy_rows<8>(row_off, 1024, [&](int e, int u) { return dst + sw128_offset(e, (64 + u) * 8); });
@@ -334,6 +418,45 @@ struct KeyProducer {
   // the fill's copies have landed (caller waited): dequantize, publish to the async proxy,
   // announce
   __device__ void finish(const Fill& f) {
+    if constexpr (kPaired) {
+      // quarter q of the half converts to chunk 4h + q; quarters 1 and 3 land on the raw
+      // rows of their entry (chunks 4h + 1, 4h + 3), whose four threads are one warp: every
+      // raw unit is read before the warp writes any
+      const uint32_t dst = kbuf(f.b);
+      unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(dst));
+      int e, q;
+      paired_ids(e, q);
+      const uint32_t full = bars_full + fill_id(f.b, f.h) * 8;
+      if (f.h == 1) {  // the rope this thread copied, to the peer
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t off = sw128_offset(e, 512 + q * 16 + j * 8);
+          st_async_v4(dst + off + peer_delta, *reinterpret_cast<const uint4*>(gen + off), full + peer_delta);
+        }
+      }
+      uint4 raw[4];
+      const unsigned char* stage = gen + (4 * f.h + 1 + 2 * (q >> 1)) * kChunkBytes + e * 128 + (q & 1) * 64;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) raw[j] = *reinterpret_cast<const uint4*>(stage + j * 16);
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t v[8];
+        convert_e4m3x16<T>(raw[j], f.scale, v);
+        const int col = 256 * f.h + 64 * q + 16 * j;
+        const uint32_t off0 = sw128_offset(e, col), off1 = sw128_offset(e, col + 8);
+        const uint4 lo = make_uint4(v[0], v[1], v[2], v[3]), hi = make_uint4(v[4], v[5], v[6], v[7]);
+        *reinterpret_cast<uint4*>(gen + off0) = lo;
+        *reinterpret_cast<uint4*>(gen + off1) = hi;
+        st_async_v4(dst + off0 + peer_delta, lo, full + peer_delta);
+        st_async_v4(dst + off1 + peer_delta, hi, full + peer_delta);
+      }
+      fence_proxy_async();
+      // this thread's arrival, expecting what its counterpart in the peer (the same thread
+      // index, the same entries' share there) stores here: converted values, rope, mask word
+      mbar_expect_tx(full, 128 + (f.h == 1 ? 32 : 0) + (lane == 0 ? 4 : 0));
+      return;
+    }
     if constexpr (kFp8Of<kSrc>) {
       // raw units j < 4 sit in chunk 4h+1 and become columns of chunk 4h + 2*part; units
       // j >= 4 sit in chunk 4h+3 and become columns of chunk 4h + 2*part + 1 (per-tensor fp8,
@@ -379,8 +502,9 @@ struct KeyProducer {
 };
 
 // Dense sources: T = bf16 or fp16 (q's type), requests are batch entries. Sparse sources:
-// T = bf16, requests are query groups (DecodeParams).
-template <typename T, KeySource kSrc>
+// T = bf16, requests are query groups (DecodeParams). kPaired: see KeyProducer; launched as
+// 2-CTA clusters along y (the two row tiles).
+template <typename T, KeySource kSrc, bool kPaired>
 __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
                                                                          const __grid_constant__ CUtensorMap kv_map) {
   constexpr bool kSparse = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;
@@ -405,18 +529,22 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   // producer: "full" of part h of buffer b at bars + fill_id(b, h) * 8, "empty" at
   // bars + (kFills + fill_id(b, h)) * 8.
   const uint32_t bars = base + 3 * kTileBytes + kPBytes + 5 * kRows * sizeof(float);
-  uint32_t* sMask = reinterpret_cast<uint32_t*>(smem + (bars - base) + 18 * 8);  // sparse: [2][4]
+  uint32_t* sMask = reinterpret_cast<uint32_t*>(smem + (bars - base) + 18 * 8);  // sparse: [2][4] (kPaired [2][8])
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = tid >> 7, wtid = tid & 127;
   const int wrow = (wtid >> 5) * 16 + (lane >> 2);  // this thread's rows: wrow, wrow + 8
   const int qd = lane & 3;
   const bool wg_leader = wtid == 0;
+  // kPaired: the peer CTA's shared::cluster address of x is x + peer_delta
+  const uint32_t peer_delta = kPaired ? map_to_rank(base, cluster_rank() ^ 1u) - base : 0u;
   if (tid == 0) {
     if constexpr (kProduced) {
-      // full: every producer thread (+ each producer warp once, see kLandArrivesOf)
+      // full: every producer thread (+ each producer warp once, see kLandArrivesOf; kPaired:
+      // each with the bytes the peer's producer stores here)
       for (int i = 0; i < kFills; ++i) mbar_init(bars + i * 8, kLandArrivesOf<kSrc> ? 132 : 128);
-      for (int i = kFills; i < 2 * kFills; ++i) mbar_init(bars + i * 8, 4);  // empty: the releasing warpgroup's warps
+      // empty: the releasing warpgroup's warps (kPaired: of both CTAs)
+      for (int i = kFills; i < 2 * kFills; ++i) mbar_init(bars + i * 8, kPaired ? 8 : 4);
     } else {
       for (int i = 0; i < 18; ++i) mbar_init(bars + i * 8, 1);
     }
@@ -436,8 +564,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   const int cta = blockIdx.x;
   const int row0 = blockIdx.y * kRows;
   int u_begin, u_end, U;
-  if (!cta_units(p, u_begin, u_end, U)) return;
-  __syncthreads();  // barriers initialised
+  if (!cta_units(p, u_begin, u_end, U)) return;  // kPaired: both CTAs (same blockIdx.x)
+  if constexpr (kPaired) cluster_sync();  // both CTAs' barriers initialised
+  else __syncthreads();                   // barriers initialised
 
   // block id of page pi of request r (0 past the block table: the page is then masked and
   // its V zeroed, see n_valid; the
@@ -449,9 +578,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if constexpr (kProduced) {
     if (wg == 2) {  // ---- producer warpgroup
       set_max_regs_dec<kProducerRegs>();
-      KeyProducer<T, kSrc> prod{p, static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + kFills * 8, sMask,
-                                wtid >> 1, wtid & 1, wtid >> 5, lane};
-      typename KeyProducer<T, kSrc>::Fill pending;
+      const int entry = kPaired ? 32 * int(cluster_rank()) + (wtid >> 2) : wtid >> 1;
+      KeyProducer<T, kSrc, kPaired> prod{p,     static_cast<const unsigned char*>(p.kv),
+                                         sKbuf(0), bars, bars + kFills * 8, sMask, entry,
+                                         kPaired ? wtid & 3 : wtid & 1, wtid >> 5, lane, peer_delta};
+      typename KeyProducer<T, kSrc, kPaired>::Fill pending;
       auto issue = [&](int b, int h, int slot) {
         const auto f = prod.issue(b, h, slot, pending);
         if (pending.b >= 0) {
@@ -523,6 +654,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         cp_async_wait<0>();
         prod.finish(pending);
       }
+      if constexpr (kPaired) cluster_sync();  // see the end of the kernel
       return;
     }
     set_max_regs_inc<kConsumerRegs>();
@@ -551,7 +683,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   // TMA the next page there (if there is one); otherwise tell the producer
   auto release = [&](int b, int h, bool has_next, int next_blk) {
     if constexpr (kProduced) {
-      if (lane == 0) mbar_arrive(bars + (kFills + fill_id(b, h)) * 8);
+      const uint32_t empty = bars + (kFills + fill_id(b, h)) * 8;
+      if (lane == 0) mbar_arrive(empty);
+      if (kPaired && lane == 0) mbar_arrive_remote(empty + peer_delta);  // the peer's producer writes here too
     } else {
       if (wg_leader && has_next) load_half(b, h, next_blk);
     }
@@ -564,7 +698,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
       phases ^= 1u << bit;
       // cp.async wrote the half through the generic proxy and no producer thread fenced it
-      if constexpr (kLandArrivesOf<kSrc>) fence_proxy_async();
+      // (kPaired: the peer's producer wrote half of it with st.async)
+      if constexpr (kLandArrivesOf<kSrc> || kPaired) fence_proxy_async();
     } else {
       const int bit = 9 * b + c;
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
@@ -646,7 +781,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     uint32_t valid[4];
     if constexpr (kSparse) {
 #pragma unroll
-      for (int w = 0; w < 4; ++w) valid[w] = sMask[wg * 4 + w];
+      for (int w = 0; w < 4; ++w) {
+        valid[w] = kPaired ? sMask[wg * 8 + 2 * w] | (sMask[wg * 8 + 2 * w + 1] << 16) : sMask[wg * 4 + w];
+      }
     }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -934,6 +1071,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers) are reused by the next piece
     u = Pr + pg_end;
   }
+  // kPaired: no CTA leaves while the peer may still write to its shared memory or arrive on
+  // its barriers
+  if constexpr (kPaired) cluster_sync();
 }
 
 // Tensor map of the paged cache as [num_blocks][64][576] with the cache's own strides (a
@@ -962,14 +1102,15 @@ CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
   return map;
 }
 
-template <typename T, KeySource kSrc>
+template <typename T, KeySource kSrc, bool kPaired = false>
 void launch_wgmma(const DecodeParams& p, cudaStream_t stream) {
-  auto kernel = decode_wgmma_kernel<T, kSrc>;
+  auto kernel = decode_wgmma_kernel<T, kSrc, kPaired>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
+  TORCH_CHECK(!kPaired || grid.y == 2, "mla_decode: a paired launch needs exactly two row tiles");
   CUtensorMap map{};  // the producer sources copy without a tensor map
   if constexpr (kSrc == KeySource::kPagedTma) map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
-  launch_pdl(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, p, map);
+  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired ? 2 : 1, p, map);
   launch_combine<T>(p, stream);
 }
 
@@ -986,7 +1127,9 @@ void launch_decode_wgmma(const DecodeParams& p, bool bf16, bool fp8, cudaStream_
 }
 
 void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream) {
-  if (fp8_ds_mla) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla>(p, stream);
+  // fp8_ds_mla with two row tiles (H > 64): the tiles share each unit's conversion (kPaired)
+  if (fp8_ds_mla && p.rows > kRows) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, true>(p, stream);
+  else if (fp8_ds_mla) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla>(p, stream);
   else launch_wgmma<__nv_bfloat16, KeySource::kSparse16>(p, stream);
 }
 

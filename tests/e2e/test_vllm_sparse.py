@@ -78,12 +78,15 @@ def test_custom_eager_h128(workdir):
                        tol)
 
 
-def test_fp8_ds_mla_cache(workdir):
-    model = _model(workdir, 256)
-    peer, tol = _tolerance(workdir, model, "v32-h16-topk256")
-    ours = dense._run(workdir, "v32-h16-topk256-CUSTOM-graphs-fp8_ds_mla", model=model,
+# H = 128: the fp8_ds_mla kernel's two row tiles run as a 2-CTA cluster (inside CUDA graphs)
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_ds_mla_cache(workdir, heads):
+    model = _model(workdir, 256, heads=heads)
+    tag = f"v32-h{heads}-topk256"
+    peer, tol = _tolerance(workdir, model, tag)
+    ours = dense._run(workdir, f"{tag}-CUSTOM-graphs-fp8_ds_mla", model=model,
                       backend="CUSTOM", kv_cache_dtype="fp8_ds_mla")
     _assert_ours(ours)
     assert "cache fp8_ds_mla" in ours["log"]
-    dense._check_close("v32-h16-topk256: CUSTOM fp8_ds_mla vs FLASHMLA_SPARSE bf16", ours,
+    dense._check_close(f"{tag}: CUSTOM fp8_ds_mla vs FLASHMLA_SPARSE bf16", ours,
                        peer, tol + FP8_EXTRA)

@@ -247,10 +247,11 @@ def test_dense_equivalent_matches_mla_decode():
     assert rel_l2(got, dense) < 4e-3 and torch.allclose(lse, dense_lse, atol=1e-3)
 
 
-def test_cuda_graph_with_workspace():
+@pytest.mark.parametrize("heads", [64, 128])  # 128: the paired (2-CTA cluster) launch
+def test_cuda_graph_with_workspace(heads):
     """Plan + attention captured once over workspace buffers, replayed on new q, indices and
     lengths of two batch sizes in turn."""
-    heads, topk, num_blocks = 64, 256, 20
+    topk, num_blocks = 256, 20
     ws = ops.sparse_workspace(16, heads, device="cuda")
     cache = _cache(num_blocks, torch.ones(num_blocks, PAGE, dtype=torch.bool), "fp8_ds_mla",
                    _gen()).cuda()
