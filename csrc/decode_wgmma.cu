@@ -70,6 +70,13 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
   return (col >> 6) * kChunkBytes + row * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4) + (col & 7) * 2;
 }
 
+// Byte offset of raw (fp8) 16-byte unit k of row `row` in a staging chunk: the units of a
+// row are rotated by row % 8 (as the 128-byte swizzle does), so the 8 rows a warp stages or
+// reads at the same k fall in 8 different bank groups; unswizzled they all hit one, and
+// every raw copy and read took 4x the shared-memory wavefronts it needs
+// (docs/kernels/sparse_decode.md, v12).
+__device__ __forceinline__ uint32_t raw_offset(int row, int k) { return row * 128 + ((k ^ (row & 7)) << 4); }
+
 // wgmma shared-memory descriptor: SWIZZLE_128B, given byte offsets.
 __device__ __forceinline__ uint64_t make_desc(uint32_t smem_byte_addr, uint32_t lbo, uint32_t sbo) {
   uint64_t d = 0;
@@ -256,15 +263,21 @@ struct KeyProducer {
   uint32_t used = 0, empty_phase = 0;  // bit fill_id(b, h): that part filled before / parity
 
   __device__ uint32_t kbuf(int b) const { return kbuf0 + b * kTileBytes; }
-  // kPaired: this thread's entry and quarter (tk, part), re-derived where the copies and
+  // this thread's entry and part (tk, part), re-derived where the fp8 copies and
   // conversions use them: the offsets ptxas derived from tk and part once and kept across
   // the producer loop spilled the 56-register producer
-  __device__ __forceinline__ void paired_ids(int& e, int& q) const {
-    uint32_t t, r;
+  __device__ __forceinline__ void fresh_ids(int& e, int& q) const {
+    uint32_t t;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    e = 32 * int(r) + int((t & 127) >> 2);
-    q = int(t & 3);
+    if constexpr (kPaired) {
+      uint32_t r;
+      asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+      e = 32 * int(r) + int((t & 127) >> 2);
+      q = int(t & 3);
+    } else {
+      e = int((t & 127) >> 1);
+      q = int(t & 1);
+    }
   }
   __device__ const unsigned char* token_row(int slot) const {
     const unsigned s = unsigned(slot);  // callers pass slot >= 0: unsigned division is cheaper
@@ -361,11 +374,11 @@ struct KeyProducer {
       // 32 bytes of the rope straight to chunk 8 (forwarded to the peer in finish)
       static_assert(kSrc == KeySource::kSparseDsMla, "only fp8_ds_mla runs paired");
       int e, q;
-      paired_ids(e, q);
-      const uint32_t stage = dst + (4 * h + 1 + 2 * (q >> 1)) * kChunkBytes + e * 128 + (q & 1) * 64;
+      fresh_ids(e, q);
+      const uint32_t stage = dst + (4 * h + 1 + 2 * (q >> 1)) * kChunkBytes;
       const unsigned char* src = row + h * 256 + q * 64;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) cp_async_16s(stage + j * 16, src + j * 16, nbytes);
+      for (int j = 0; j < 4; ++j) cp_async_16s(stage + raw_offset(e, (q & 1) * 4 + j), src + j * 16, nbytes);
       if (rope_here) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -382,10 +395,12 @@ struct KeyProducer {
       // 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at this entry's 128-byte row (see
       // finish). Each thread copies what it converts: copy_rows' whole-line copies were
       // measured slower here (docs/kernels/sparse_decode.md, v4).
+      int e, pt;
+      fresh_ids(e, pt);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 + (part * 4 + (j & 3)) * 16;
-        cp_async_16s(stage, row + h * 256 + part * 128 + j * 16, nbytes);
+        const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + raw_offset(e, pt * 4 + (j & 3));
+        cp_async_16s(stage, row + h * 256 + pt * 128 + j * 16, nbytes);
       }
       if (rope_here) {
         if constexpr (kSrc == KeySource::kSparseDsMla) {  // rope: 64 bf16 at byte 528, straight to chunk 8
@@ -393,10 +408,10 @@ struct KeyProducer {
           for (int j = 0; j < 4; ++j) {
             cp_async_16s(dst + sw128_offset(tk, 512 + part * 32 + j * 8), row + 528 + part * 64 + j * 16, nbytes);
           }
-        } else {  // rope: 64 e4m3 at byte 512, staged raw in chunk 8's row (bytes 32 part..)
+        } else {  // rope: 64 e4m3 at byte 512, staged raw in chunk 8's row (units 2 part, 2 part + 1)
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            cp_async_16s(dst + 8 * kChunkBytes + tk * 128 + (part * 2 + j) * 16, row + 512 + part * 32 + j * 16, nbytes);
+            cp_async_16s(dst + 8 * kChunkBytes + raw_offset(e, pt * 2 + j), row + 512 + pt * 32 + j * 16, nbytes);
           }
         }
       }
@@ -425,7 +440,7 @@ struct KeyProducer {
       const uint32_t dst = kbuf(f.b);
       unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(dst));
       int e, q;
-      paired_ids(e, q);
+      fresh_ids(e, q);
       const uint32_t full = bars_full + fill_id(f.b, f.h) * 8;
       if (f.h == 1) {  // the rope this thread copied, to the peer
 #pragma unroll
@@ -435,9 +450,9 @@ struct KeyProducer {
         }
       }
       uint4 raw[4];
-      const unsigned char* stage = gen + (4 * f.h + 1 + 2 * (q >> 1)) * kChunkBytes + e * 128 + (q & 1) * 64;
+      const unsigned char* stage = gen + (4 * f.h + 1 + 2 * (q >> 1)) * kChunkBytes;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) raw[j] = *reinterpret_cast<const uint4*>(stage + j * 16);
+      for (int j = 0; j < 4; ++j) raw[j] = *reinterpret_cast<const uint4*>(stage + raw_offset(e, (q & 1) * 4 + j));
       __syncwarp();
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -465,18 +480,20 @@ struct KeyProducer {
       // lands on a raw row.
       const uint32_t dst = kbuf(f.b);
       unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(dst));
+      int e, pt;
+      fresh_ids(e, pt);
       auto raw_at = [&](int j) {
-        return *reinterpret_cast<const uint4*>(gen + (4 * f.h + 1 + 2 * (j >> 2)) * kChunkBytes + tk * 128 +
-                                               (part * 4 + (j & 3)) * 16);
+        return *reinterpret_cast<const uint4*>(gen + (4 * f.h + 1 + 2 * (j >> 2)) * kChunkBytes +
+                                               raw_offset(e, pt * 4 + (j & 3)));
       };
       auto put_at = [&](int col, uint4 raw) {
         uint32_t v[8];
         if constexpr (kSrc == KeySource::kSparseDsMla) convert_e4m3x16<T>(raw, f.scale, v);
         else convert_e4m3x16<T>(raw, 1.f, v);  // exact: kv_scale is folded into S and O
-        *reinterpret_cast<uint4*>(gen + sw128_offset(tk, col)) = make_uint4(v[0], v[1], v[2], v[3]);
-        *reinterpret_cast<uint4*>(gen + sw128_offset(tk, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
+        *reinterpret_cast<uint4*>(gen + sw128_offset(e, col)) = make_uint4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<uint4*>(gen + sw128_offset(e, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
       };
-      auto put = [&](int j, uint4 raw) { put_at(256 * f.h + part * 128 + j * 16, raw); };
+      auto put = [&](int j, uint4 raw) { put_at(256 * f.h + pt * 128 + j * 16, raw); };
 #pragma unroll
       for (int j = 0; j < 4; ++j) put(j, raw_at(j));  // to chunks 4h, 4h+2: no raw there
       uint4 hi[4];
@@ -489,11 +506,11 @@ struct KeyProducer {
         uint4 rope[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          rope[j] = *reinterpret_cast<const uint4*>(gen + 8 * kChunkBytes + tk * 128 + (part * 2 + j) * 16);
+          rope[j] = *reinterpret_cast<const uint4*>(gen + 8 * kChunkBytes + raw_offset(e, pt * 2 + j));
         }
         __syncwarp();
 #pragma unroll
-        for (int j = 0; j < 2; ++j) put_at(512 + part * 32 + j * 16, rope[j]);
+        for (int j = 0; j < 2; ++j) put_at(512 + pt * 32 + j * 16, rope[j]);
       }
     }
     fence_proxy_async();
