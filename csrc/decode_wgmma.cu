@@ -887,34 +887,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     }
   };
 
-  // Q tile of request rq -> smem, copies i = t0, t0 + step, ... of the tile's 16-byte units
-  auto load_q = [&](int rq, int t0, int step) {
-    for (int i = t0; i < kRows * kChunksPerRow; i += step) {
-      const int m = i / kChunksPerRow, c = i % kChunksPerRow;
-      const int row = row0 + m;
-      const T* src = qbase;
-      if (row < p.rows) {
-        const int qi = row / p.heads, h = row % p.heads;
-        // dense: request rq = batch entry; sparse: group rq = (b, s), qi = 0
-        src += int64_t(rq / p.group_s_q) * p.q_stride_b + int64_t(rq % p.group_s_q + qi) * p.q_stride_s +
-               int64_t(h) * p.q_stride_h + c * 8;
-      }
-      cp_async_16s(base + sw128_offset(m, c * 8), src, row < p.rows ? 16 : 0);
-    }
-    cp_async_commit();
-  };
-  // With a producer, sQ is read only by S (P0 and P1 live elsewhere): once both warpgroups'
-  // last S of a piece has retired, warpgroup 1 copies the next piece's Q, so a piece's Q load
-  // is off the critical path except at the CTA's first piece. (kPagedTma keeps P1 in Q's rope
-  // chunk.)
-  constexpr bool kQPrefetch = kProduced;
-  auto prefetch_q = [&](int r_cur, int u_next) {
-    if (u_next >= u_end) return;
-    int rn = r_cur;
-    while (u_next >= __ldg(P + rn + 1)) ++rn;
-    load_q(rn, wtid, 128);
-  };
-
   // ---- the CTA's unit range, one request piece at a time
   int r = request_of_unit(P, p.batch, u_begin);
   for (int u = u_begin; u < u_end;) {
@@ -933,10 +905,20 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       }
     }
     // Q tile -> smem (cp.async: every copy in flight at once, rows past `rows` zero-filled;
-    // plain loads stalled each store on its load), the running max reset. With a producer,
-    // every piece but the CTA's first had its Q copied by warpgroup 1 during the previous
-    // piece's last pair (see prefetch_q).
-    if (!(kQPrefetch && u != u_begin)) load_q(r, tid, kConsumerThreads);
+    // plain loads stalled each store on its load), the running max reset
+    for (int i = tid; i < kRows * kChunksPerRow; i += kConsumerThreads) {
+      const int m = i / kChunksPerRow, c = i % kChunksPerRow;
+      const int row = row0 + m;
+      const T* src = qbase;
+      if (row < p.rows) {
+        const int qi = row / p.heads, h = row % p.heads;
+        // dense: request r = batch entry; sparse: group r = (b, s), qi = 0
+        src += int64_t(r / p.group_s_q) * p.q_stride_b + int64_t(r % p.group_s_q + qi) * p.q_stride_s +
+               int64_t(h) * p.q_stride_h + c * 8;
+      }
+      cp_async_16s(base + sw128_offset(m, c * 8), src, row < p.rows ? 16 : 0);
+    }
+    cp_async_commit();
     if (tid < kRows) sM[tid] = kNoMax;
     cp_async_wait<0>();
     fence_proxy_async();
@@ -1021,9 +1003,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         fence_regs<32>(s);
       } else {
         named_sync(kBarMax0, 256);
-        // the piece's last pair: warpgroup 0's last S retired before its softmax, this
-        // warpgroup's before this pair, and neither issues another
-        if (kQPrefetch && pa_ + 2 >= pg_end) prefetch_q(r, Pr + pg_end);
         float rmax[2], m_new[2], scale1[2], rsum[2] = {0.f, 0.f};
         const float scale0[2] = {sScale0[wrow], sScale0[wrow + 8]};
         if (has_b) {
