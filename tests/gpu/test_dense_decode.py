@@ -258,9 +258,10 @@ def test_fp8_cache_fp16_tensor_scale_strided(heads):
     _check_fp8([300, 5, 1500], 2, heads, dtype=torch.float16, scale_as_tensor=True, strided=True)
 
 
-# every e4m3 code, subnormals alone and the largest binades alone: the kernels' bit-level
-# conversion (docs/kernels/sparse_decode.md, v5) against the float32 dequantization; a
-# flushed subnormal or a wrong exponent is a wrong output, not a rounding
+# every e4m3 code, subnormals alone and the largest binades alone: the kernels' conversion
+# (convert_e4m3x16; a bit-level variant was tried, docs/kernels/sparse_decode.md, v5)
+# against the float32 dequantization; a flushed subnormal or a wrong exponent is a wrong
+# output, not a rounding
 @pytest.mark.parametrize("population", ["every", "subnormal", "largest"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [8, 64])  # mma.sync and wgmma kernels

@@ -145,8 +145,8 @@ def test_decode_all_invalid_rows_and_topk_past_context(fmt, heads):
 
 
 # every e4m3 code, subnormals alone, the largest binades alone, with random tile scales:
-# the producer's bit-level conversion (docs/kernels/sparse_decode.md, v5) must give the
-# same bf16 keys as the format's float32 dequantization rounded once
+# the producer's conversion (convert_e4m3x16, plain and paired) must give the same bf16
+# keys as the format's float32 dequantization rounded once
 @pytest.mark.parametrize("population", ["every", "subnormal", "largest"])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_decode_fp8_ds_mla_every_e4m3_code(population, heads):
