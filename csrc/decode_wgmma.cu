@@ -61,6 +61,18 @@ static_assert(kSmem <= 232448, "more shared memory than an sm_90 block can have"
 // serializes the wgmmas, which it does at 232 with Q's rope chunk held in registers).
 constexpr int kProducerRegs = 56;
 constexpr int kConsumerRegs = 224;
+// fp8_ds_mla with the split schedule (kSplitOf): warpgroup 0 computes S, the softmax and
+// the left half of O, warpgroup 1 only the right half of O, so it needs few registers and
+// the producer gets enough to convert from registers (docs/kernels/sparse_decode.md, v15)
+#ifndef MLA_SPLIT_WG0_REGS
+#define MLA_SPLIT_WG0_REGS 208
+#endif
+#ifndef MLA_SPLIT_WG1_REGS
+#define MLA_SPLIT_WG1_REGS 168
+#endif
+constexpr int kSplitWg0Regs = MLA_SPLIT_WG0_REGS;
+constexpr int kSplitWg1Regs = MLA_SPLIT_WG1_REGS;
+constexpr int kSplitProducerRegs = 504 - kSplitWg0Regs - kSplitWg1Regs;
 constexpr float kNoMax = -1e30f;  // running-max start: finite, so no inf - inf
 
 // Byte offset of element (row, col) in a [64 x cols] tile stored as 64-column chunks of
@@ -232,6 +244,12 @@ constexpr int kFills = 4;
 template <KeySource kSrc> constexpr bool kLandArrivesOf = kSrc == KeySource::kSparse16;
 __device__ __forceinline__ int fill_id(int b, int h) { return 2 * b + h; }
 template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparseDsMla;
+#ifndef MLA_SPLIT
+#define MLA_SPLIT 1
+#endif
+// fp8_ds_mla runs the split schedule: one unit at a time, warpgroup 0 S + softmax + O's left
+// half, warpgroup 1 O's right half, the producer converting from registers (RegFp8Producer)
+template <KeySource kSrc> constexpr bool kSplitOf = MLA_SPLIT && kSrc == KeySource::kSparseDsMla;
 
 // The producer warpgroup of every source but kPagedTma. Thread t of its 128 handles list entry t / 2
 // of every unit (its slot, validity and, fp8, the columns it converts; the bf16 source copies
@@ -518,6 +536,111 @@ struct KeyProducer {
   }
 };
 
+// The fp8_ds_mla producer of the split schedule. Thread t handles entry e of every unit
+// (kPaired: e = 32 rank + t / 4, a quarter of each half; otherwise e = t / 2, a half of each
+// half) and loads its raw e4m3 bytes, scale and rope straight into registers with plain
+// 16-byte loads, before it waits for the part to be released; after the release it only
+// converts and stores (kPaired: to both CTAs' tiles). Nothing raw goes to shared memory, so
+// a refill's latency is the conversion, not the gather (docs/kernels/sparse_decode.md, v15).
+template <bool kPaired>
+struct RegFp8Producer {
+  static constexpr int kPer = kPaired ? 4 : 2;          // threads per entry
+  static constexpr int kVals = 256 / kPer;              // e4m3 values per thread and half
+  static constexpr int kLoads = kVals / 16;             // 16-byte loads of them
+  static constexpr int kRopeLoads = 128 / kPer / 16;    // the entry's 128 rope bytes, shared
+  const DecodeParams& p;
+  const unsigned char* kv;
+  uint32_t kbuf0, bars_full, bars_empty;
+  uint32_t* masks;  // as KeyProducer's
+  int e, part, warp, lane;
+  uint32_t peer_delta;
+  uint32_t used = 0, empty_phase = 0;
+
+  struct Left { uint4 raw[kLoads]; float scale; };
+  struct Right { uint4 raw[kLoads]; uint4 rope[kRopeLoads]; float scale; };
+
+  __device__ const unsigned char* token_row(int slot) const {
+    const unsigned s = unsigned(slot);
+    return kv + int64_t(s / kPage) * p.kv_stride_block + int64_t(s % kPage) * p.kv_stride_tok;
+  }
+  __device__ __forceinline__ static uint4 ld16(const unsigned char* src) {
+    return __ldg(reinterpret_cast<const uint4*>(src));
+  }
+  // this thread's bytes of half h of cache slot `slot` (-1: zeros)
+  __device__ __forceinline__ void load(int h, int slot, uint4* raw, uint4* rope, float& scale) const {
+    if (slot >= 0) {
+      const unsigned char* row = token_row(slot);
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) raw[j] = ld16(row + 256 * h + part * kVals + 16 * j);
+      scale = __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + (part * kVals >> 7));
+      if (rope != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kRopeLoads; ++j) rope[j] = ld16(row + 528 + part * (128 / kPer) + 16 * j);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) raw[j] = make_uint4(0, 0, 0, 0);
+      scale = 0.f;
+      if (rope != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kRopeLoads; ++j) rope[j] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+  __device__ __forceinline__ void store16(uint32_t dst, uint32_t off, uint4 v, uint32_t full) const {
+    unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(dst));
+    *reinterpret_cast<uint4*>(gen + off) = v;
+    if constexpr (kPaired) st_async_v4(dst + off + peer_delta, v, full + peer_delta);
+  }
+  // part h of buffer b: wait for its release, write the unit's mask (h = 0), convert and
+  // store, announce
+  __device__ __forceinline__ void put(int b, int h, int slot, const uint4* raw, const uint4* rope, float scale) {
+    const int bit = fill_id(b, h);
+    if ((used >> bit) & 1) {
+      mbar_wait(bars_empty + bit * 8, (empty_phase >> bit) & 1);
+      empty_phase ^= 1u << bit;
+    }
+    used |= 1u << bit;
+    const uint32_t full = bars_full + bit * 8;
+    if (h == 0) {
+      if constexpr (kPaired) {
+        // the warp's entries 8 w .. 8 w + 7 of this CTA's 32 (lane l < 16 reports entry
+        // l / 2, owned by lane 4 (l / 2)), in both CTAs
+        const bool entry_ok = __shfl_sync(0xffffffff, slot >= 0, (lane & 14) * 2);
+        const uint32_t valid = __ballot_sync(0xffffffff, lane < 16 && entry_ok);
+        if (lane == 0) {
+          uint32_t* word = masks + b * 8 + e / 8;
+          *word = valid;
+          st_async_b32(smem_addr(word) + peer_delta, valid, full + peer_delta);
+        }
+      } else {
+        const uint32_t valid = __ballot_sync(0xffffffff, slot >= 0);
+        if (lane == 0) masks[b * 4 + warp] = valid;
+      }
+    }
+    const uint32_t dst = kbuf0 + b * kTileBytes;
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      uint32_t v[8];
+      convert_e4m3x16<__nv_bfloat16>(raw[j], scale, v);
+      const int col = 256 * h + part * kVals + 16 * j;
+      store16(dst, sw128_offset(e, col), make_uint4(v[0], v[1], v[2], v[3]), full);
+      store16(dst, sw128_offset(e, col + 8), make_uint4(v[4], v[5], v[6], v[7]), full);
+    }
+    if (rope != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kRopeLoads; ++j) store16(dst, sw128_offset(e, 512 + part * (64 / kPer) + 8 * j), rope[j], full);
+    }
+    fence_proxy_async();
+    if constexpr (kPaired) {
+      // expecting what this thread's counterpart in the peer stores here
+      mbar_expect_tx(full, 2 * kVals + (h == 1 ? 16 * kRopeLoads : 0) + (h == 0 && lane == 0 ? 4 : 0));
+    } else {
+      mbar_arrive(full);
+    }
+  }
+};
+
 // Dense sources: T = bf16 or fp16 (q's type), requests are batch entries. Sparse sources:
 // T = bf16, requests are query groups (DecodeParams). kPaired: see KeyProducer; launched as
 // 2-CTA clusters along y (the two row tiles).
@@ -593,7 +716,53 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   };
 
   if constexpr (kProduced) {
-    if (wg == 2) {  // ---- producer warpgroup
+    if constexpr (kSplitOf<kSrc>) {
+      if (wg == 2) {  // ---- producer warpgroup of the split schedule
+        set_max_regs_dec<kSplitProducerRegs>();
+        const int entry = kPaired ? 32 * int(cluster_rank()) + (wtid >> 2) : wtid >> 1;
+        RegFp8Producer<kPaired> prod{p,    static_cast<const unsigned char*>(p.kv),
+                                     sKbuf(0), bars, bars + kFills * 8, sMask, entry,
+                                     kPaired ? wtid & 3 : wtid & 1, wtid >> 5, lane, peer_delta};
+        using Prod = RegFp8Producer<kPaired>;
+        int r = request_of_unit(P, p.batch, u_begin);
+        for (int u = u_begin; u < u_end;) {
+          while (u >= __ldg(P + r + 1)) ++r;
+          const int Pr = __ldg(P + r);
+          const int pg_begin = u - Pr, pg_end = min(u_end, __ldg(P + r + 1)) - Pr;
+          const int* list = sparse_group_indices(p, r);
+          const int len = sparse_group_len(p, r);
+          auto fetch = [&](int pg) {
+            const int pos = pg * kKeys + entry;
+            return pg < pg_end && pos < len ? __ldg(list + pos) : -1;
+          };
+          auto slot_from = [&](int v) { return v >= 0 && v < p.num_slots ? v : -1; };
+          // unit i of the piece goes to buffer i % 2 (the consumers count the same way);
+          // the left half of unit i + 1 is loaded while unit i's right half waits, the
+          // index of unit i + 2 while unit i is converted
+          const int n = pg_end - pg_begin;
+          int slot = slot_from(fetch(pg_begin));
+          int next_entry = fetch(pg_begin + 1);
+          typename Prod::Left left;
+          typename Prod::Right right;
+          prod.load(0, slot, left.raw, nullptr, left.scale);
+#pragma unroll 1
+          for (int i = 0; i < n; ++i) {
+            const int b = i & 1;
+            prod.load(1, slot, right.raw, right.rope, right.scale);
+            const int after_next = fetch(pg_begin + i + 2);
+            prod.put(b, 0, slot, left.raw, nullptr, left.scale);
+            const int slot_next = slot_from(next_entry);
+            if (i + 1 < n) prod.load(0, slot_next, left.raw, nullptr, left.scale);
+            prod.put(b, 1, slot, right.raw, right.rope, right.scale);
+            slot = slot_next;
+            next_entry = after_next;
+          }
+          u = Pr + pg_end;
+        }
+        if constexpr (kPaired) cluster_sync();  // see the end of the kernel
+        return;
+      }
+    } else if (wg == 2) {  // ---- producer warpgroup
       set_max_regs_dec<kProducerRegs>();
       const int entry = kPaired ? 32 * int(cluster_rank()) + (wtid >> 2) : wtid >> 1;
       KeyProducer<T, kSrc, kPaired> prod{p,     static_cast<const unsigned char*>(p.kv),
@@ -681,9 +850,12 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       if constexpr (kPaired) cluster_sync();  // see the end of the kernel
       return;
     }
-    set_max_regs_inc<kConsumerRegs>();
   }
-  // consumers from here: two warpgroups, 256 threads
+  // consumers from here: two warpgroups, 256 threads. The split schedule instantiates this
+  // once per warpgroup (wg_id a compile-time constant), each under its own register limit:
+  // a shared path would have to fit the smaller one.
+  auto consumers = [&](auto wg_id) {
+  const int wg = wg_id;
   auto consumers_sync = [&] {
     if constexpr (kProduced) named_sync(kBarConsumers, kConsumerThreads);
     else __syncthreads();
@@ -801,12 +973,12 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   };
   // scale S to the log2 domain and mask keys past each row's limit (dense) or not valid in
   // the unit's mask (sparse: written by the producer with the fill); row maxima of this unit
-  auto mask_and_max = [&](int tok0, int seq_len, float* rmax) {
+  auto mask_and_max = [&](int tok0, int seq_len, float* rmax, int mb) {  // mb: the unit's buffer
     uint32_t valid[4];
     if constexpr (kSparse) {
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        valid[w] = kPaired ? sMask[wg * 8 + 2 * w] | (sMask[wg * 8 + 2 * w + 1] << 16) : sMask[wg * 4 + w];
+        valid[w] = kPaired ? sMask[mb * 8 + 2 * w] | (sMask[mb * 8 + 2 * w + 1] << 16) : sMask[mb * 4 + w];
       }
     }
 #pragma unroll
@@ -942,6 +1114,90 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     l_run[0] = l_run[1] = 0.f;
 
+    if constexpr (kSplitOf<kSrc>) {
+      // ---- split schedule, one unit at a time (unit i in buffer i % 2). Warpgroup 0: S,
+      // the softmax, P to sP with its scale, O's left half (P from registers); warpgroup 1:
+      // O's right half from sP. The running max lives in warpgroup 0's registers.
+      const int n = pg_end - pg_begin;
+      const uint32_t sP = sP1;
+      if (wg == 0) {
+        float m_run[2] = {kNoMax, kNoMax};
+        // S of the unit in buffer b, chunk by chunk as its halves land; between() after the
+        // left half's 4 groups (the previous unit's PV, issued before, then has retired)
+        auto issue_s_split = [&](int b, auto between) {
+#pragma unroll
+          for (int c = 0; c < 9; ++c) {
+            wait_chunk(b, c);
+            cute::warpgroup_arrive();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const uint32_t koff = c * kChunkBytes + k * 32;
+              gmma_ss<typename Gmma<T>::QK_SS>(make_desc(sQ + koff, 16, 1024), make_desc(sKbuf(b) + koff, 16, 1024),
+                                               s, c != 0 || k != 0, std::make_index_sequence<32>{});
+            }
+            cute::warpgroup_commit_batch();
+            if (c == 3) between();
+          }
+        };
+        if (n > 0) issue_s_split(0, nothing);
+        uint32_t pfrag[4][4];
+#pragma unroll 1
+        for (int i = 0; i < n; ++i) {
+          const int b = i & 1;
+          cute::warpgroup_wait<0>();
+          fence_regs<32>(s);
+          fence_regs<128>(o);
+          float rmax[2], m_new[2], scale[2], rsum[2];
+          mask_and_max(0, 0, rmax, b);
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            m_new[hr] = fmaxf(m_run[hr], rmax[hr]);
+            scale[hr] = exp2f(m_run[hr] - m_new[hr]);
+            m_run[hr] = m_new[hr];
+          }
+          exponentiate(m_new, rsum);
+          const float one[2] = {1.f, 1.f};
+          pack_p(pfrag, one);
+          if (i > 0) named_sync(kBarP1, 256);  // warpgroup 1 is done with sP and sScale0
+          if (qd == 0) { sScale0[wrow] = scale[0]; sScale0[wrow + 8] = scale[1]; }
+          store_p(sP, pfrag);
+          named_arrive(kBarP0, 256);
+          scale_o(scale);
+          l_run[0] = l_run[0] * scale[0] + rsum[0];
+          l_run[1] = l_run[1] * scale[1] + rsum[1];
+          fence_regs<128>(o);
+          issue_pv_rs(pfrag, b);
+          if (i + 1 < n) {
+            // the next unit's S behind this PV; the PV retires during its left half, then
+            // this unit's left half is released
+            issue_s_split(b ^ 1, [&] {
+              cute::warpgroup_wait<4>();
+              release(b, 0, false, 0);
+            });
+          } else {
+            cute::warpgroup_wait<0>();
+            release(b, 0, false, 0);
+          }
+        }
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(o);
+        if (qd == 0) { sM[wrow] = m_run[0]; sM[wrow + 8] = m_run[1]; }
+      } else {
+#pragma unroll 1
+        for (int i = 0; i < n; ++i) {
+          const int b = i & 1;
+          named_sync(kBarP0, 256);  // P of unit i and its scale are in smem
+          const float scale[2] = {sScale0[wrow], sScale0[wrow + 8]};
+          scale_o(scale);
+          fence_regs<128>(o);
+          issue_pv_ss(sP, b);
+          cute::warpgroup_wait<0>();
+          fence_regs<128>(o);
+          if (i + 1 < n) named_arrive(kBarP1, 256);
+          release(b, 1, false, 0);
+        }
+      }
+    } else {
     // this warpgroup's first page
     if (pg_begin + wg < pg_end) {
       if (wg == 0) issue_s(std::integral_constant<int, 0>{}, nothing);
@@ -962,7 +1218,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       if (wg == 0) {
         // ---- softmax of page pa_ on top of the running max
         float rmax[2], m_new[2], scale0[2], rsum[2];
-        mask_and_max(pa_ * kKeys, seq_len, rmax);
+        mask_and_max(pa_ * kKeys, seq_len, rmax, 0);
         update_max(rmax, m_new, scale0, sScale0);
         exponentiate(m_new, rsum);
         scale_o(scale0);
@@ -1013,7 +1269,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         float rmax[2], m_new[2], scale1[2], rsum[2] = {0.f, 0.f};
         const float scale0[2] = {sScale0[wrow], sScale0[wrow + 8]};
         if (has_b) {
-          mask_and_max(pb * kKeys, seq_len, rmax);
+          mask_and_max(pb * kKeys, seq_len, rmax, 1);
         } else {
           rmax[0] = rmax[1] = -INFINITY;
         }
@@ -1055,6 +1311,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       }
     }
 
+    }  // seesaw schedule
+
     // ---- epilogue of the piece: row sums of both warpgroups, then out / partial
     float l0 = l_run[0], l1 = l_run[1];
     l0 += __shfl_xor_sync(0xffffffff, l0, 1); l0 += __shfl_xor_sync(0xffffffff, l0, 2);
@@ -1094,6 +1352,19 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     }
     consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers) are reused by the next piece
     u = Pr + pg_end;
+  }
+  };  // consumers
+  if constexpr (kSplitOf<kSrc>) {
+    if (wg == 0) {
+      set_max_regs_inc<kSplitWg0Regs>();
+      consumers(std::integral_constant<int, 0>{});
+    } else {
+      set_max_regs_dec<kSplitWg1Regs>();
+      consumers(std::integral_constant<int, 1>{});
+    }
+  } else {
+    if constexpr (kProduced) set_max_regs_inc<kConsumerRegs>();
+    consumers(wg);
   }
   // kPaired: no CTA leaves while the peer may still write to its shared memory or arrive on
   // its barriers
