@@ -7,8 +7,9 @@
 //   kSparseDsMla                 ... over the 656-byte fp8_ds_mla cache: for these three a
 //               third, producer warpgroup copies the 64 tokens of each unit (a page's, or the
 //               listed slots) with cp.async (384 threads) and, for the fp8 caches, converts
-//               them to 16-bit values in shared memory, so the consumers see the same tile as
-//               from a 16-bit cache.
+//               them to 16-bit values in shared memory (fp8_ds_mla: in registers, see the
+//               split schedule below), so the consumers see the same tile as from a 16-bit
+//               cache.
 //
 // A CTA works on one 64-row tile; its unit of work is 64 keys (a page, or 64 list entries).
 // Units of a request piece go in pairs: warpgroup 0 owns even units (buffer K0), warpgroup 1
@@ -26,8 +27,11 @@
 // producer's "empty" mbarrier is signalled; P0 then lives in K0's rope chunk, see kFills), so
 // the next pair of units streams in while this pair computes.
 // Shared memory: Q 72 KiB + 2 x K 72 KiB + one P buffer 8 KiB + scalars = 225 KiB.
-// fp8_ds_mla with two row tiles (H > 64) runs paired: the tiles are a 2-CTA cluster and each
-// converts half of every unit for both (KeyProducer, kPaired).
+// fp8_ds_mla runs a split schedule instead (kSplitOf): one unit at a time, warpgroup 0
+// computes S, the softmax and O's left half, warpgroup 1 only O's right half, and the
+// producer (RegFp8Producer, 128 registers) loads and converts in registers, not through
+// shared memory. With two row tiles (H > 64) it runs paired: the tiles are a 2-CTA cluster
+// and each converts half of every unit for both (kPaired).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -587,6 +591,15 @@ struct RegFp8Producer {
       }
     }
   }
+  // an L2 prefetch of this thread's share of slot `slot`'s 656-byte row (its 128-byte lines)
+  __device__ __forceinline__ void prefetch_l2(int slot) const {
+    if (slot < 0) return;
+    const unsigned char* row = token_row(slot);
+#pragma unroll
+    for (int k = part; k < 7; k += kPer) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + (k < 6 ? 128 * k : 655)));
+    }
+  }
   __device__ __forceinline__ void store16(uint32_t dst, uint32_t off, uint4 v, uint32_t full) const {
     unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(dst));
     *reinterpret_cast<uint4*>(gen + off) = v;
@@ -742,6 +755,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           const int n = pg_end - pg_begin;
           int slot = slot_from(fetch(pg_begin));
           int next_entry = fetch(pg_begin + 1);
+          // unpaired: unit i + 2's rows are prefetched to L2 during unit i (its index loaded
+          // one unit earlier); measured -1 to -6% unpaired, +0-2% paired, so paired does not
+          // (docs/kernels/sparse_decode.md, v16)
+          constexpr bool kL2Prefetch = !kPaired;
+          int after_entry = kL2Prefetch ? fetch(pg_begin + 2) : -1;
           typename Prod::Left left;
           typename Prod::Right right;
           prod.load(0, slot, left.raw, nullptr, left.scale);
@@ -749,7 +767,14 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           for (int i = 0; i < n; ++i) {
             const int b = i & 1;
             prod.load(1, slot, right.raw, right.rope, right.scale);
-            const int after_next = fetch(pg_begin + i + 2);
+            int after_next;
+            if constexpr (kL2Prefetch) {
+              prod.prefetch_l2(slot_from(after_entry));
+              after_next = after_entry;
+              after_entry = fetch(pg_begin + i + 3);
+            } else {
+              after_next = fetch(pg_begin + i + 2);
+            }
             prod.put(b, 0, slot, left.raw, nullptr, left.scale);
             const int slot_next = slot_from(next_entry);
             if (i + 1 < n) prod.load(0, slot_next, left.raw, nullptr, left.scale);
