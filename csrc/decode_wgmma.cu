@@ -66,16 +66,11 @@ static_assert(kSmem <= 232448, "more shared memory than an sm_90 block can have"
 constexpr int kProducerRegs = 56;
 constexpr int kConsumerRegs = 224;
 // fp8_ds_mla with the split schedule (kSplitOf): warpgroup 0 computes S, the softmax and
-// the left half of O, warpgroup 1 only the right half of O, so it needs few registers and
-// the producer gets enough to convert from registers (docs/kernels/sparse_decode.md, v15)
-#ifndef MLA_SPLIT_WG0_REGS
-#define MLA_SPLIT_WG0_REGS 208
-#endif
-#ifndef MLA_SPLIT_WG1_REGS
-#define MLA_SPLIT_WG1_REGS 168
-#endif
-constexpr int kSplitWg0Regs = MLA_SPLIT_WG0_REGS;
-constexpr int kSplitWg1Regs = MLA_SPLIT_WG1_REGS;
+// the left half of O, warpgroup 1 only the right half of O; neither needs 224, and the
+// producer gets enough to convert from registers (docs/kernels/sparse_decode.md, v15)
+// (at 200 warpgroup 0 spilled; 224 / 160 / 120 measured the same as these)
+constexpr int kSplitWg0Regs = 208;
+constexpr int kSplitWg1Regs = 168;
 constexpr int kSplitProducerRegs = 504 - kSplitWg0Regs - kSplitWg1Regs;
 constexpr float kNoMax = -1e30f;  // running-max start: finite, so no inf - inf
 
@@ -248,14 +243,11 @@ constexpr int kFills = 4;
 template <KeySource kSrc> constexpr bool kLandArrivesOf = kSrc == KeySource::kSparse16;
 __device__ __forceinline__ int fill_id(int b, int h) { return 2 * b + h; }
 template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparseDsMla;
-#ifndef MLA_SPLIT
-#define MLA_SPLIT 1
-#endif
 // fp8_ds_mla runs the split schedule: one unit at a time, warpgroup 0 S + softmax + O's left
 // half, warpgroup 1 O's right half, the producer converting from registers (RegFp8Producer)
-template <KeySource kSrc> constexpr bool kSplitOf = MLA_SPLIT && kSrc == KeySource::kSparseDsMla;
+template <KeySource kSrc> constexpr bool kSplitOf = kSrc == KeySource::kSparseDsMla;
 
-// The producer warpgroup of every source but kPagedTma. Thread t of its 128 handles list entry t / 2
+// The producer warpgroup of the seesaw sources (kPagedFp8, kSparse16). Thread t of its 128 handles list entry t / 2
 // of every unit (its slot, validity and, fp8, the columns it converts; the bf16 source copies
 // whole lines through copy_rows). Fills run in the order the consumers release parts of the K
 // buffers (unit pair a, b: K0 left, K0 right, K1 right, K1 left, the bf16 source taking K1
@@ -266,22 +258,16 @@ template <KeySource kSrc> constexpr bool kSplitOf = MLA_SPLIT && kSrc == KeySour
 // is finished (cp.async landed; fp8: converted) and announced on its "full" mbarrier (128
 // arrivals); a fill whose buffer is still busy first finishes the one before it, so a
 // consumer never waits on a fill the producer holds back. T: the tile's element type (the
-// fp8 caches are converted to it).
-// kPaired (fp8_ds_mla, two row tiles): the group's two tiles run as a 2-CTA cluster with the
-// same units, and each CTA's producer gathers and converts only its half of every unit's
-// entries (rank r: entries 32r..32r+31, thread t: entry 32r + t / 4, quarter t % 4 of each
-// half's 256 values), writing the result to both CTAs' tiles; the "full" barriers count both
-// producers, the "empty" ones both CTAs' releases (docs/kernels/sparse_decode.md, v10).
-template <typename T, KeySource kSrc, bool kPaired>
+// fp8 cache is converted to it). fp8_ds_mla has its own producer (RegFp8Producer).
+template <typename T, KeySource kSrc>
 struct KeyProducer {
+  static_assert(kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparse16, "fp8_ds_mla: RegFp8Producer");
   const DecodeParams& p;
   const unsigned char* kv;
   uint32_t kbuf0, bars_full, bars_empty;
   // sparse: [2 buffers][4 words]: bit 2j of word w = entry 16w + j of the unit is valid;
-  // kPaired [2][8]: bit 2j of word w = entry 8w + j (each producer warp's own word)
   uint32_t* masks;
   int tk, part, warp, lane;
-  uint32_t peer_delta;  // kPaired: the peer's shared::cluster address of x is x + peer_delta
   uint32_t used = 0, empty_phase = 0;  // bit fill_id(b, h): that part filled before / parity
 
   __device__ uint32_t kbuf(int b) const { return kbuf0 + b * kTileBytes; }
@@ -291,15 +277,8 @@ struct KeyProducer {
   __device__ __forceinline__ void fresh_ids(int& e, int& q) const {
     uint32_t t;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    if constexpr (kPaired) {
-      uint32_t r;
-      asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-      e = 32 * int(r) + int((t & 127) >> 2);
-      q = int(t & 3);
-    } else {
-      e = int((t & 127) >> 1);
-      q = int(t & 1);
-    }
+    e = int((t & 127) >> 1);
+    q = int(t & 1);
   }
   __device__ const unsigned char* token_row(int slot) const {
     const unsigned s = unsigned(slot);  // callers pass slot >= 0: unsigned division is cheaper
@@ -309,7 +288,6 @@ struct KeyProducer {
 
   struct Fill {
     int b = -1, h = 0;
-    float scale = 0.f;  // fp8_ds_mla: this thread's tile scale
   };
 
   // Copies 16-byte units [0, kUnits) at byte src_off of each of the warp's 16 entry rows to
@@ -367,18 +345,7 @@ struct KeyProducer {
       empty_phase ^= 1u << bit;
     }
     used |= 1u << bit;
-    if constexpr (kPaired) {
-      // the warp's entries 8 wq .. 8 wq + 7 of the unit, in both CTAs (lane l < 16 reports
-      // entry l / 2, owned by lane 4 (l / 2)); the peer counts the 4 bytes on this fill's
-      // "full" barrier (see finish)
-      const bool entry_ok = __shfl_sync(0xffffffff, slot >= 0, (lane & 14) * 2);
-      const uint32_t valid = __ballot_sync(0xffffffff, lane < 16 && entry_ok);
-      if (lane == 0) {
-        uint32_t* word = masks + b * 8 + tk / 8;
-        *word = valid;
-        st_async_b32(smem_addr(word) + peer_delta, valid, bars_full + bit * 8 + peer_delta);
-      }
-    } else if constexpr (kSrc != KeySource::kPagedFp8) {  // dense masks by position (seq_len, causal)
+    if constexpr (kSrc != KeySource::kPagedFp8) {  // dense masks by position (seq_len, causal)
       const uint32_t valid = __ballot_sync(0xffffffff, slot >= 0);
       if (lane == 0) masks[b * 4 + warp] = valid;
     }
@@ -390,33 +357,15 @@ struct KeyProducer {
     Fill f;
     f.b = b; f.h = h;
     const bool rope_here = h == 1;
-    if constexpr (kPaired) {
-      // this thread's 64 e4m3 values of the half (quarter `part`) staged raw at its entry's
-      // row: quarters 0, 1 in chunk 4h + 1, quarters 2, 3 in chunk 4h + 3 (see finish); its
-      // 32 bytes of the rope straight to chunk 8 (forwarded to the peer in finish)
-      static_assert(kSrc == KeySource::kSparseDsMla, "only fp8_ds_mla runs paired");
-      int e, q;
-      fresh_ids(e, q);
-      const uint32_t stage = dst + (4 * h + 1 + 2 * (q >> 1)) * kChunkBytes;
-      const unsigned char* src = row + h * 256 + q * 64;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) cp_async_16s(stage + raw_offset(e, (q & 1) * 4 + j), src + j * 16, nbytes);
-      if (rope_here) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          cp_async_16s(dst + sw128_offset(e, 512 + q * 16 + j * 8), row + 528 + q * 32 + j * 16, nbytes);
-        }
-      }
-      f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + (q >> 1)) : 0.f;
-    } else if constexpr (kSrc == KeySource::kSparse16) {
+    if constexpr (kSrc == KeySource::kSparse16) {
       // 16-byte units [0, 32) (h = 0), [32, 64) (h = 1) and the rope's [64, 72)
       copy_rows<32>(row_off, 512 * h, [&](int e, int u) { return dst + sw128_offset(e, (32 * h + u) * 8); });
       if (rope_here) copy_rows<8>(row_off, 1024, [&](int e, int u) { return dst + sw128_offset(e, (64 + u) * 8); });
     } else {
-      // 128 e4m3 values (fp8_ds_mla: this thread's scale tile 2h + part) staged raw: units
-      // 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at this entry's 128-byte row (see
-      // finish). Each thread copies what it converts: copy_rows' whole-line copies were
-      // measured slower here (docs/kernels/sparse_decode.md, v4).
+      // 128 e4m3 values staged raw: units 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at
+      // this entry's 128-byte row (see finish). Each thread copies what it converts:
+      // copy_rows' whole-line copies were measured slower here (docs/kernels/sparse_decode.md,
+      // v4).
       int e, pt;
       fresh_ids(e, pt);
 #pragma unroll
@@ -424,21 +373,11 @@ struct KeyProducer {
         const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + raw_offset(e, pt * 4 + (j & 3));
         cp_async_16s(stage, row + h * 256 + pt * 128 + j * 16, nbytes);
       }
-      if (rope_here) {
-        if constexpr (kSrc == KeySource::kSparseDsMla) {  // rope: 64 bf16 at byte 528, straight to chunk 8
+      if (rope_here) {  // rope: 64 e4m3 at byte 512, staged raw in chunk 8's row (units 2 part, 2 part + 1)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            cp_async_16s(dst + sw128_offset(tk, 512 + part * 32 + j * 8), row + 528 + part * 64 + j * 16, nbytes);
-          }
-        } else {  // rope: 64 e4m3 at byte 512, staged raw in chunk 8's row (units 2 part, 2 part + 1)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            cp_async_16s(dst + 8 * kChunkBytes + raw_offset(e, pt * 2 + j), row + 512 + pt * 32 + j * 16, nbytes);
-          }
+        for (int j = 0; j < 2; ++j) {
+          cp_async_16s(dst + 8 * kChunkBytes + raw_offset(e, pt * 2 + j), row + 512 + pt * 32 + j * 16, nbytes);
         }
-      }
-      if constexpr (kSrc == KeySource::kSparseDsMla) {
-        f.scale = ok ? __ldg(reinterpret_cast<const float*>(row + 512) + 2 * h + part) : 0.f;
       }
     }
     if constexpr (kLandArrivesOf<kSrc>) {
@@ -455,45 +394,6 @@ struct KeyProducer {
   // the fill's copies have landed (caller waited): dequantize, publish to the async proxy,
   // announce
   __device__ void finish(const Fill& f) {
-    if constexpr (kPaired) {
-      // quarter q of the half converts to chunk 4h + q; quarters 1 and 3 land on the raw
-      // rows of their entry (chunks 4h + 1, 4h + 3), whose four threads are one warp: every
-      // raw unit is read before the warp writes any
-      const uint32_t dst = kbuf(f.b);
-      unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(dst));
-      int e, q;
-      fresh_ids(e, q);
-      const uint32_t full = bars_full + fill_id(f.b, f.h) * 8;
-      if (f.h == 1) {  // the rope this thread copied, to the peer
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const uint32_t off = sw128_offset(e, 512 + q * 16 + j * 8);
-          st_async_v4(dst + off + peer_delta, *reinterpret_cast<const uint4*>(gen + off), full + peer_delta);
-        }
-      }
-      uint4 raw[4];
-      const unsigned char* stage = gen + (4 * f.h + 1 + 2 * (q >> 1)) * kChunkBytes;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) raw[j] = *reinterpret_cast<const uint4*>(stage + raw_offset(e, (q & 1) * 4 + j));
-      __syncwarp();
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t v[8];
-        convert_e4m3x16<T>(raw[j], f.scale, v);
-        const int col = 256 * f.h + 64 * q + 16 * j;
-        const uint32_t off0 = sw128_offset(e, col), off1 = sw128_offset(e, col + 8);
-        const uint4 lo = make_uint4(v[0], v[1], v[2], v[3]), hi = make_uint4(v[4], v[5], v[6], v[7]);
-        *reinterpret_cast<uint4*>(gen + off0) = lo;
-        *reinterpret_cast<uint4*>(gen + off1) = hi;
-        st_async_v4(dst + off0 + peer_delta, lo, full + peer_delta);
-        st_async_v4(dst + off1 + peer_delta, hi, full + peer_delta);
-      }
-      fence_proxy_async();
-      // this thread's arrival, expecting what its counterpart in the peer (the same thread
-      // index, the same entries' share there) stores here: converted values, rope, mask word
-      mbar_expect_tx(full, 128 + (f.h == 1 ? 32 : 0) + (lane == 0 ? 4 : 0));
-      return;
-    }
     if constexpr (kFp8Of<kSrc>) {
       // raw units j < 4 sit in chunk 4h+1 and become columns of chunk 4h + 2*part; units
       // j >= 4 sit in chunk 4h+3 and become columns of chunk 4h + 2*part + 1 (per-tensor fp8,
@@ -510,8 +410,7 @@ struct KeyProducer {
       };
       auto put_at = [&](int col, uint4 raw) {
         uint32_t v[8];
-        if constexpr (kSrc == KeySource::kSparseDsMla) convert_e4m3x16<T>(raw, f.scale, v);
-        else convert_e4m3x16<T>(raw, 1.f, v);  // exact: kv_scale is folded into S and O
+        convert_e4m3x16<T>(raw, 1.f, v);  // exact: kv_scale is folded into S and O
         *reinterpret_cast<uint4*>(gen + sw128_offset(e, col)) = make_uint4(v[0], v[1], v[2], v[3]);
         *reinterpret_cast<uint4*>(gen + sw128_offset(e, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
       };
@@ -555,7 +454,9 @@ struct RegFp8Producer {
   const DecodeParams& p;
   const unsigned char* kv;
   uint32_t kbuf0, bars_full, bars_empty;
-  uint32_t* masks;  // as KeyProducer's
+  // as KeyProducer's; kPaired [2][8]: bit 2j of word w = entry 8w + j (each producer
+  // warp's own word)
+  uint32_t* masks;
   int e, part, warp, lane;
   uint32_t peer_delta;
   uint32_t used = 0, empty_phase = 0;
@@ -789,11 +690,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       }
     } else if (wg == 2) {  // ---- producer warpgroup
       set_max_regs_dec<kProducerRegs>();
-      const int entry = kPaired ? 32 * int(cluster_rank()) + (wtid >> 2) : wtid >> 1;
-      KeyProducer<T, kSrc, kPaired> prod{p,     static_cast<const unsigned char*>(p.kv),
-                                         sKbuf(0), bars, bars + kFills * 8, sMask, entry,
-                                         kPaired ? wtid & 3 : wtid & 1, wtid >> 5, lane, peer_delta};
-      typename KeyProducer<T, kSrc, kPaired>::Fill pending;
+      KeyProducer<T, kSrc> prod{p,        static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + kFills * 8,
+                                sMask,    wtid >> 1, wtid & 1, wtid >> 5, lane};
+      typename KeyProducer<T, kSrc>::Fill pending;
       auto issue = [&](int b, int h, int slot) {
         const auto f = prod.issue(b, h, slot, pending);
         if (pending.b >= 0) {
@@ -872,7 +771,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         cp_async_wait<0>();
         prod.finish(pending);
       }
-      if constexpr (kPaired) cluster_sync();  // see the end of the kernel
       return;
     }
   }
