@@ -439,23 +439,27 @@ struct KeyProducer {
   }
 };
 
-// The fp8_ds_mla producer of the split schedule. Thread t handles entry e of every unit
-// (kPaired: e = 32 rank + t / 4, a quarter of each half; otherwise e = t / 2, a half of each
-// half) and loads its raw e4m3 bytes, scale and rope straight into registers with plain
-// 16-byte loads, before it waits for the part to be released; after the release it only
-// converts and stores (kPaired: to both CTAs' tiles). Nothing raw goes to shared memory, so
-// a refill's latency is the conversion, not the gather (docs/kernels/sparse_decode.md, v15).
+// The fp8_ds_mla producer of the split schedule. Lane l of producer warp w handles entry
+// (kPaired: 32 rank + 8 w + l % 8, a quarter of each half, part l / 8; otherwise 16 w + l % 16,
+// a half of each half, part l / 16) of every unit and loads its raw e4m3 bytes, scale and
+// rope straight into registers with plain 16-byte loads, before it waits for the part to be
+// released; after the release it only converts and stores (kPaired: to both CTAs' tiles).
+// Nothing raw goes to shared memory, so a refill's latency is the conversion, not the gather
+// (docs/kernels/sparse_decode.md, v15). A 16-byte store instruction is served 8 lanes at a
+// time: with the entry in the low lane bits those are 8 rows of the 128-byte swizzle, all 8
+// bank groups, so the stores are conflict-free (entry-major lanes had 2 or 4 ways, v17).
 template <bool kPaired>
 struct RegFp8Producer {
   static constexpr int kPer = kPaired ? 4 : 2;          // threads per entry
+  static constexpr int kWarpEntries = 32 / kPer;        // entries per producer warp
   static constexpr int kVals = 256 / kPer;              // e4m3 values per thread and half
   static constexpr int kLoads = kVals / 16;             // 16-byte loads of them
   static constexpr int kRopeLoads = 128 / kPer / 16;    // the entry's 128 rope bytes, shared
   const DecodeParams& p;
   const unsigned char* kv;
   uint32_t kbuf0, bars_full, bars_empty;
-  // as KeyProducer's; kPaired [2][8]: bit 2j of word w = entry 8w + j (each producer
-  // warp's own word)
+  // as KeyProducer's (bit 2j of word w = entry 16w + j); kPaired [2][8]: bit 2j of word w =
+  // entry 8w + j (each producer warp's own word)
   uint32_t* masks;
   int e, part, warp, lane;
   uint32_t peer_delta;
@@ -463,6 +467,12 @@ struct RegFp8Producer {
 
   struct Left { uint4 raw[kLoads]; float scale; };
   struct Right { uint4 raw[kLoads]; uint4 rope[kRopeLoads]; float scale; };
+
+  // this thread's entry and part from its lane (see above)
+  __device__ __forceinline__ static int entry_of(int rank, int wtid) {
+    return kPaired ? 32 * rank + 8 * (wtid >> 5) + (wtid & 7) : 16 * (wtid >> 5) + (wtid & 15);
+  }
+  __device__ __forceinline__ static int part_of(int wtid) { return (wtid & 31) / kWarpEntries; }
 
   __device__ const unsigned char* token_row(int slot) const {
     const unsigned s = unsigned(slot);
@@ -517,10 +527,11 @@ struct RegFp8Producer {
     used |= 1u << bit;
     const uint32_t full = bars_full + bit * 8;
     if (h == 0) {
+      // lane l reports entry l / 2 of the warp's (held by lane l / 2): bit 2j (and 2j + 1) of
+      // the word is entry j
+      const bool entry_ok = __shfl_sync(0xffffffff, slot >= 0, lane >> 1);
       if constexpr (kPaired) {
-        // the warp's entries 8 w .. 8 w + 7 of this CTA's 32 (lane l < 16 reports entry
-        // l / 2, owned by lane 4 (l / 2)), in both CTAs
-        const bool entry_ok = __shfl_sync(0xffffffff, slot >= 0, (lane & 14) * 2);
+        // the warp's 8 entries in the low 16 bits, in both CTAs
         const uint32_t valid = __ballot_sync(0xffffffff, lane < 16 && entry_ok);
         if (lane == 0) {
           uint32_t* word = masks + b * 8 + e / 8;
@@ -528,22 +539,30 @@ struct RegFp8Producer {
           st_async_b32(smem_addr(word) + peer_delta, valid, full + peer_delta);
         }
       } else {
-        const uint32_t valid = __ballot_sync(0xffffffff, slot >= 0);
+        const uint32_t valid = __ballot_sync(0xffffffff, entry_ok);
         if (lane == 0) masks[b * 4 + warp] = valid;
       }
     }
     const uint32_t dst = kbuf0 + b * kTileBytes;
+    // unpaired: the entry read afresh from %tid.x; held across the loop, the store offsets
+    // derived from it were hoisted and spilled
+    int row = e;
+    if constexpr (!kPaired) {
+      int t;
+      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+      row = entry_of(0, t & 127);
+    }
 #pragma unroll
     for (int j = 0; j < kLoads; ++j) {
       uint32_t v[8];
       convert_e4m3x16<__nv_bfloat16>(raw[j], scale, v);
       const int col = 256 * h + part * kVals + 16 * j;
-      store16(dst, sw128_offset(e, col), make_uint4(v[0], v[1], v[2], v[3]), full);
-      store16(dst, sw128_offset(e, col + 8), make_uint4(v[4], v[5], v[6], v[7]), full);
+      store16(dst, sw128_offset(row, col), make_uint4(v[0], v[1], v[2], v[3]), full);
+      store16(dst, sw128_offset(row, col + 8), make_uint4(v[4], v[5], v[6], v[7]), full);
     }
     if (rope != nullptr) {
 #pragma unroll
-      for (int j = 0; j < kRopeLoads; ++j) store16(dst, sw128_offset(e, 512 + part * (64 / kPer) + 8 * j), rope[j], full);
+      for (int j = 0; j < kRopeLoads; ++j) store16(dst, sw128_offset(row, 512 + part * (64 / kPer) + 8 * j), rope[j], full);
     }
     fence_proxy_async();
     if constexpr (kPaired) {
@@ -633,11 +652,10 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     if constexpr (kSplitOf<kSrc>) {
       if (wg == 2) {  // ---- producer warpgroup of the split schedule
         set_max_regs_dec<kSplitProducerRegs>();
-        const int entry = kPaired ? 32 * int(cluster_rank()) + (wtid >> 2) : wtid >> 1;
-        RegFp8Producer<kPaired> prod{p,    static_cast<const unsigned char*>(p.kv),
-                                     sKbuf(0), bars, bars + kFills * 8, sMask, entry,
-                                     kPaired ? wtid & 3 : wtid & 1, wtid >> 5, lane, peer_delta};
         using Prod = RegFp8Producer<kPaired>;
+        const int entry = Prod::entry_of(int(cluster_rank()), wtid), part = Prod::part_of(wtid);
+        Prod prod{p,    static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + kFills * 8,
+                  sMask, entry, part, wtid >> 5, lane, peer_delta};
         int r = request_of_unit(P, p.batch, u_begin);
         for (int u = u_begin; u < u_end;) {
           while (u >= __ldg(P + r + 1)) ++r;
