@@ -203,15 +203,18 @@ __device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// Stores to the peer CTA's shared memory that count their bytes on the peer's mbarrier
+// Writes to the peer CTA's shared memory that count their bytes on the peer's mbarrier
 // (complete_tx): the peer's waiters see them without a fence or a release on this side (a
 // release at cluster scope is a GPU-wide memory barrier here, which would also wait for this
-// thread's cp.asyncs in flight).
-__device__ __forceinline__ void st_async_v4(uint32_t addr, uint4 v, uint32_t bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(addr),
-               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+// thread's memory operations in flight).
+// A bulk copy of `bytes` (16-byte multiple) from this CTA's shared memory to a shared::cluster
+// address (the async proxy: no registers; the source must be fenced to the async proxy).
+__device__ __forceinline__ void bulk_copy_s2cluster(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "r"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
+// one 32-bit store (the mask words)
 __device__ __forceinline__ void st_async_b32(uint32_t addr, uint32_t v, uint32_t bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr), "r"(v),
                "r"(bar)
@@ -443,11 +446,12 @@ struct KeyProducer {
 // (kPaired: 32 rank + 8 w + l % 8, a quarter of each half, part l / 8; otherwise 16 w + l % 16,
 // a half of each half, part l / 16) of every unit and loads its raw e4m3 bytes, scale and
 // rope straight into registers with plain 16-byte loads, before it waits for the part to be
-// released; after the release it only converts and stores (kPaired: to both CTAs' tiles).
-// Nothing raw goes to shared memory, so a refill's latency is the conversion, not the gather
-// (docs/kernels/sparse_decode.md, v15). A 16-byte store instruction is served 8 lanes at a
-// time: with the entry in the low lane bits those are 8 rows of the 128-byte swizzle, all 8
-// bank groups, so the stores are conflict-free (entry-major lanes had 2 or 4 ways, v17).
+// released; after the release it only converts and stores. Nothing raw goes to shared memory,
+// so a refill's latency is the conversion, not the gather (docs/kernels/sparse_decode.md,
+// v15). kPaired: each warp then bulk-copies its rows to the peer's tile (v19). A 16-byte
+// store instruction is served 8 lanes at a time: with the entry in the low lane bits those
+// are 8 rows of the 128-byte swizzle, all 8 bank groups, so the stores are conflict-free
+// (entry-major lanes had 2 or 4 ways, v17).
 template <bool kPaired>
 struct RegFp8Producer {
   static constexpr int kPer = kPaired ? 4 : 2;          // threads per entry
@@ -511,10 +515,9 @@ struct RegFp8Producer {
       asm volatile("prefetch.global.L2 [%0];" ::"l"(row + (k < 6 ? 128 * k : 655)));
     }
   }
-  __device__ __forceinline__ void store16(uint32_t dst, uint32_t off, uint4 v, uint32_t full) const {
+  __device__ __forceinline__ static void store16(uint32_t dst, uint32_t off, uint4 v) {
     unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(dst));
     *reinterpret_cast<uint4*>(gen + off) = v;
-    if constexpr (kPaired) st_async_v4(dst + off + peer_delta, v, full + peer_delta);
   }
   // part h of buffer b: wait for its release, write the unit's mask (h = 0), convert and
   // store, announce
@@ -557,17 +560,32 @@ struct RegFp8Producer {
       uint32_t v[8];
       convert_e4m3x16<__nv_bfloat16>(raw[j], scale, v);
       const int col = 256 * h + part * kVals + 16 * j;
-      store16(dst, sw128_offset(row, col), make_uint4(v[0], v[1], v[2], v[3]), full);
-      store16(dst, sw128_offset(row, col + 8), make_uint4(v[4], v[5], v[6], v[7]), full);
+      store16(dst, sw128_offset(row, col), make_uint4(v[0], v[1], v[2], v[3]));
+      store16(dst, sw128_offset(row, col + 8), make_uint4(v[4], v[5], v[6], v[7]));
     }
     if (rope != nullptr) {
 #pragma unroll
-      for (int j = 0; j < kRopeLoads; ++j) store16(dst, sw128_offset(row, 512 + part * (64 / kPer) + 8 * j), rope[j], full);
+      for (int j = 0; j < kRopeLoads; ++j) store16(dst, sw128_offset(row, 512 + part * (64 / kPer) + 8 * j), rope[j]);
     }
     fence_proxy_async();
     if constexpr (kPaired) {
-      // expecting what this thread's counterpart in the peer stores here
-      mbar_expect_tx(full, 2 * kVals + (h == 1 ? 16 * kRopeLoads : 0) + (h == 0 && lane == 0 ? 4 : 0));
+      // the warp's 8 rows of each chunk of the half are 1 KiB in a row: once every lane's
+      // stores are fenced, lane 0 copies them to the peer's tile (chunks 0-3, or 4-8 with
+      // the rope), completing on the peer's "full" barrier, and expects the same from the
+      // peer's counterpart warp (plus its mask word)
+      constexpr int kRowBytes = 8 * 128;
+      __syncwarp();
+      if (lane == 0) {
+        const int c0 = 4 * h, c1 = h == 0 ? 4 : 9;
+        const uint32_t rows = uint32_t(e & ~7) * 128;
+        for (int c = c0; c < c1; ++c) {
+          const uint32_t src = dst + c * kChunkBytes + rows;
+          bulk_copy_s2cluster(src + peer_delta, src, kRowBytes, full + peer_delta);
+        }
+        mbar_expect_tx(full, kRowBytes * (c1 - c0) + (h == 0 ? 4 : 0));
+      } else {
+        mbar_arrive(full);
+      }
     } else {
       mbar_arrive(full);
     }
@@ -614,7 +632,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if (tid == 0) {
     if constexpr (kProduced) {
       // full: every producer thread (+ each producer warp once, see kLandArrivesOf; kPaired:
-      // each with the bytes the peer's producer stores here)
+      // lane 0 of each producer warp with the bytes the peer's counterpart warp copies here)
       for (int i = 0; i < kFills; ++i) mbar_init(bars + i * 8, kLandArrivesOf<kSrc> ? 132 : 128);
       // empty: the releasing warpgroup's warps (kPaired: of both CTAs)
       for (int i = kFills; i < 2 * kFills; ++i) mbar_init(bars + i * 8, kPaired ? 8 : 4);
@@ -836,7 +854,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       phases ^= 1u << bit;
       // cp.async wrote the half through the generic proxy and no producer thread fenced it
       // (kPaired: the peer's producer wrote half of it with st.async)
+#ifdef MLA_NO_CFENCE
+      if constexpr (kLandArrivesOf<kSrc>) fence_proxy_async();
+#else
       if constexpr (kLandArrivesOf<kSrc> || kPaired) fence_proxy_async();
+#endif
     } else {
       const int bit = 9 * b + c;
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
