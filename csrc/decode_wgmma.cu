@@ -853,12 +853,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
       phases ^= 1u << bit;
       // cp.async wrote the half through the generic proxy and no producer thread fenced it
-      // (kPaired: the peer's producer wrote half of it with st.async)
-#ifdef MLA_NO_CFENCE
-      if constexpr (kLandArrivesOf<kSrc>) fence_proxy_async();
-#else
+      // (kPaired: since v19 not needed, the peer's rows come by bulk copy; dropping it
+      // measured the same, docs/kernels/sparse_decode.md v20)
       if constexpr (kLandArrivesOf<kSrc> || kPaired) fence_proxy_async();
-#endif
     } else {
       const int bit = 9 * b + c;
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
