@@ -569,15 +569,15 @@ struct RegFp8Producer {
     }
     fence_proxy_async();
     if constexpr (kPaired) {
-      // the warp's 8 rows of each chunk of the half are 1 KiB in a row: once every lane's
+      // the warp's rows of each chunk of the half are contiguous (1 KiB): once every lane's
       // stores are fenced, lane 0 copies them to the peer's tile (chunks 0-3, or 4-8 with
       // the rope), completing on the peer's "full" barrier, and expects the same from the
       // peer's counterpart warp (plus its mask word)
-      constexpr int kRowBytes = 8 * 128;
+      constexpr int kRowBytes = kWarpEntries * 128;
       __syncwarp();
       if (lane == 0) {
         const int c0 = 4 * h, c1 = h == 0 ? 4 : 9;
-        const uint32_t rows = uint32_t(e & ~7) * 128;
+        const uint32_t rows = uint32_t(e & ~(kWarpEntries - 1)) * 128;
         for (int c = c0; c < c1; ++c) {
           const uint32_t src = dst + c * kChunkBytes + rows;
           bulk_copy_s2cluster(src + peer_delta, src, kRowBytes, full + peer_delta);
@@ -852,9 +852,10 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       const int bit = fill_id(b, c >> 2);
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
       phases ^= 1u << bit;
-      // cp.async wrote the half through the generic proxy and no producer thread fenced it
-      // (kPaired: since v19 not needed, the peer's rows come by bulk copy; dropping it
-      // measured the same, docs/kernels/sparse_decode.md v20)
+      // cp.async wrote the half through the generic proxy and no producer thread fenced it.
+      // kPaired: since v19 the peer's rows come by bulk copy (async proxy) and the local ones
+      // are fenced by the producer, so this fence is redundant; it stays because the
+      // benchmarked and e2e-tested build has it (without it: the same speed, v20)
       if constexpr (kLandArrivesOf<kSrc> || kPaired) fence_proxy_async();
     } else {
       const int bit = 9 * b + c;
