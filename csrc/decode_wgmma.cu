@@ -231,6 +231,13 @@ __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* ma
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(0), "r"(blk), "r"(bar) : "memory");
 }
+// One 64-column x 64-head box of q[b, s] (heads from `head`) into a swizzled 8 KiB chunk.
+__device__ __forceinline__ void tma_load_q_box(uint32_t dst, const CUtensorMap* map, int col, int head, int s, int b,
+                                               uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(head), "r"(s), "r"(b), "r"(bar) : "memory");
+}
 
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;
 // With a producer, each K buffer is filled in two halves (h = 0: chunks 0-3, h = 1: chunks
@@ -249,6 +256,12 @@ template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 |
 // fp8_ds_mla runs the split schedule: one unit at a time, warpgroup 0 S + softmax + O's left
 // half, warpgroup 1 O's right half, the producer converting from registers (RegFp8Producer)
 template <KeySource kSrc> constexpr bool kSplitOf = kSrc == KeySource::kSparseDsMla;
+// Sparse sources: each piece's Q comes by TMA (q_map; heads past H zero-filled as out of
+// bounds), issued by one thread on its own mbarrier (kQBar), so the 72 KiB stay off the
+// load/store path the producer keeps busy (docs/kernels/sparse_decode.md, v22)
+template <KeySource kSrc> constexpr bool kQTmaOf = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;
+constexpr int kQBar = 16;
+static_assert(2 * kFills <= kQBar && kQBar < 18, "the Q mbarrier must not overlap the fills'");
 
 // The producer warpgroup of the seesaw sources (kPagedFp8, kSparse16). Thread t of its 128 handles list entry t / 2
 // of every unit (its slot, validity and, fp8, the columns it converts; the bf16 source copies
@@ -597,7 +610,8 @@ struct RegFp8Producer {
 // 2-CTA clusters along y (the two row tiles).
 template <typename T, KeySource kSrc, bool kPaired>
 __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
-                                                                         const __grid_constant__ CUtensorMap kv_map) {
+                                                                         const __grid_constant__ CUtensorMap kv_map,
+                                                                         const __grid_constant__ CUtensorMap q_map) {
   constexpr bool kSparse = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;
   constexpr bool kProduced = kSrc != KeySource::kPagedTma;  // a producer warpgroup fills K
   extern __shared__ unsigned char smem_raw[];
@@ -636,6 +650,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       for (int i = 0; i < kFills; ++i) mbar_init(bars + i * 8, kLandArrivesOf<kSrc> ? 132 : 128);
       // empty: the releasing warpgroup's warps (kPaired: of both CTAs)
       for (int i = kFills; i < 2 * kFills; ++i) mbar_init(bars + i * 8, kPaired ? 8 : 4);
+      if constexpr (kQTmaOf<kSrc>) mbar_init(bars + kQBar * 8, 1);
     } else {
       for (int i = 0; i < 18; ++i) mbar_init(bars + i * 8, 1);
     }
@@ -823,6 +838,16 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   uint32_t phases = 0;  // kPagedTma: bit (9b + c): parity of buffer b chunk c's next completion;
                         // with a producer: bit fill_id(b, h) of that part's "full" barrier
   const T* qbase = static_cast<const T*>(p.q);
+  constexpr bool kQTma = kQTmaOf<kSrc>;
+  const uint32_t q_bar = bars + kQBar * 8;
+  uint32_t q_phase = 0;
+  // kQTma: Q of query group rq -> sQ (one thread; sQ is free)
+  auto load_q = [&](int rq) {
+    mbar_expect_tx(q_bar, kTileBytes);
+#pragma unroll
+    for (int c = 0; c < kDqk / 64; ++c)
+      tma_load_q_box(sQ + c * kChunkBytes, &q_map, c * 64, row0, rq % p.group_s_q, rq / p.group_s_q, q_bar);
+  };
 
   // TMA of one half of buffer b (h = 0: chunks 0-3, h = 1: chunks 4-8), one mbarrier per
   // chunk so S can start on each as it lands
@@ -1044,6 +1069,13 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         load_half(wg, 1, blk);
       }
     }
+    if constexpr (kQTma) {  // the previous piece ended with a consumer barrier: sQ is free
+      if (tid == 0) load_q(r);
+      if (tid < kRows) sM[tid] = kNoMax;
+      if (!kSplitOf<kSrc> || wg == 0) mbar_wait(q_bar, q_phase);  // split: only warpgroup 0 reads Q
+      q_phase ^= 1;
+      consumers_sync();
+    } else {
     // Q tile -> smem (cp.async: every copy in flight at once, rows past `rows` zero-filled;
     // plain loads stalled each store on its load), the running max reset
     for (int i = tid; i < kRows * kChunksPerRow; i += kConsumerThreads) {
@@ -1063,6 +1095,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     cp_async_wait<0>();
     fence_proxy_async();
     consumers_sync();
+    }
     if constexpr (!kProduced) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {  // Q rope chunk -> registers (A fragments)
@@ -1335,7 +1368,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
 // Tensor map of the paged cache as [num_blocks][64][576] with the cache's own strides (a
 // layer's view of a cross-layer buffer works), 64x64 boxes, 128-byte swizzle.
 
-CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     void* fn = nullptr;
@@ -1344,6 +1377,11 @@ CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
     TORCH_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr, "mla_decode: cuTensorMapEncodeTiled not found");
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
+  return encode;
+}
+
+CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
+  const auto encode = tensor_map_encoder();
   CUtensorMap map;
   const cuuint64_t dims[3] = {cuuint64_t(kDqk), cuuint64_t(kPage), cuuint64_t(p.num_blocks)};
   const cuuint64_t strides[2] = {cuuint64_t(p.kv_stride_tok) * 2, cuuint64_t(p.kv_stride_block) * 2};
@@ -1358,15 +1396,42 @@ CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
   return map;
 }
 
+// Tensor map of the sparse q [B, s_q, H, 576] (bf16) with its own strides, 64-column x
+// 64-head boxes, 128-byte swizzle: a box past H reads zeros. A dimension of size 1 is never
+// stepped over, so its stride only has to be valid (torch may report any value there).
+CUtensorMap make_q_map(const DecodeParams& p) {
+  const int64_t sizes[3] = {p.heads, p.group_s_q, p.batch / p.group_s_q};
+  const int64_t strides_el[3] = {p.q_stride_h, p.q_stride_s, p.q_stride_b};
+  cuuint64_t dims[4] = {cuuint64_t(kDqk), 0, 0, 0};
+  cuuint64_t strides[3];
+  int64_t packed = kDqk;  // elements spanned by the dimensions inside this one, packed
+  for (int i = 0; i < 3; ++i) {
+    dims[i + 1] = cuuint64_t(sizes[i]);
+    strides[i] = cuuint64_t(sizes[i] == 1 ? packed : strides_el[i]) * 2;
+    packed *= sizes[i];
+  }
+  const cuuint32_t box[4] = {64, kRows, 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(p.q), dims,
+                                          strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "sparse_mla_decode: cuTensorMapEncodeTiled failed for q with error ", int(r),
+              " (q must be 16-byte aligned with nonzero 16-byte multiple strides)");
+  return map;
+}
+
 template <typename T, KeySource kSrc, bool kPaired = false>
 void launch_wgmma(const DecodeParams& p, cudaStream_t stream) {
   auto kernel = decode_wgmma_kernel<T, kSrc, kPaired>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
   TORCH_CHECK(!kPaired || grid.y == 2, "mla_decode: a paired launch needs exactly two row tiles");
-  CUtensorMap map{};  // the producer sources copy without a tensor map
-  if constexpr (kSrc == KeySource::kPagedTma) map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
-  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired ? 2 : 1, p, map);
+  CUtensorMap kv_map{}, q_map{};  // the producer sources copy keys without a tensor map
+  if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
+  if constexpr (kQTmaOf<kSrc>) q_map = make_q_map(p);
+  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired ? 2 : 1, p, kv_map, q_map);
   launch_combine<T>(p, stream);
 }
 

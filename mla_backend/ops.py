@@ -297,8 +297,9 @@ def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, 
     _require(1 <= s_q <= MAX_Q_TOKENS_PER_REQ, "q", q,
              f"must have s_q (dim 1) in [1, {MAX_Q_TOKENS_PER_REQ}]")
     _require(1 <= heads <= MAX_HEADS, "q", q, f"must have heads (dim 2) in [1, {MAX_HEADS}]")
-    _require(q.stride(3) == 1 and all(q.stride(i) % 8 == 0 for i in range(3)), "q", q,
-             "must have a contiguous last dim and 16-byte aligned strides")
+    _require(q.stride(3) == 1 and all(q.stride(i) % 8 == 0 for i in range(3))
+             and q.data_ptr() % 16 == 0, "q", q,
+             "must be 16-byte aligned with a contiguous last dim and 16-byte aligned strides")
     _require(kv_cache.dim() == 3 and kv_cache.shape[1:] == (PAGE_SIZE, D_QK), "kv_cache",
              kv_cache, f"must be [num_blocks, {PAGE_SIZE}, {D_QK}]")
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
@@ -552,8 +553,9 @@ def _check_sparse_inputs(q, kv_cache, indices, *, allow_flat: bool,
     batch, s_q, heads, _ = q.shape
     _require(s_q >= 1 and 1 <= heads <= MAX_HEADS, "q", q,
              f"must have s_q >= 1 and heads in [1, {MAX_HEADS}]")
-    _require(q.stride(3) == 1 and all(q.stride(i) % 8 == 0 for i in range(3)), "q", q,
-             "must have a contiguous last dim and 16-byte aligned strides")
+    _require(q.stride(3) == 1 and all(q.stride(i) % 8 == 0 for i in range(3))
+             and q.data_ptr() % 16 == 0, "q", q,
+             "must be 16-byte aligned with a contiguous last dim and 16-byte aligned strides")
     _check_sparse_kv(kv_cache, kv_name, allow_flat)
     _require(indices.dim() == 3 and indices.shape[:2] == (batch, s_q)
              and indices.dtype == torch.int32 and indices.stride(2) == 1

@@ -186,7 +186,7 @@ def test_decode_large_batch_and_topk_16384():
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
-@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("heads", [16, 64, 128])
 def test_decode_strided_cache_and_strided_q_and_indices(fmt, heads):
     g = _gen()
     q, cache, idx, length = _case(3, 2, heads, 128, fmt, lengths=[128, 40, 1], g=g)
@@ -203,6 +203,27 @@ def test_decode_strided_cache_and_strided_q_and_indices(fmt, heads):
     got, lse = ops.sparse_mla_decode(qv, view, iv, plan, 0.07, topk_length=length)
     want, want_lse = ref.sparse_mla_decode(q, _kernel_keys(cache), idx, None, 0.07, length)
     _compare(got, lse, want, want_lse)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("heads", [20, 100, 128])
+def test_decode_q_views(fmt, heads):
+    """q is read through its strides (a tensor map): heads-major storage, a size-1 s_q with
+    an odd stride, a batch expanded from one row (stride 0)."""
+    g = _gen()
+    q, cache, idx, length = _case(3, 2, heads, 192, fmt, lengths=[192, 70, 0], g=g)
+    scale = 0.06
+    heads_major = q.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    assert heads_major.stride(2) == 3 * 2 * 576
+    one_token = torch.empty(3, 5, heads, 576, dtype=q.dtype, device="cuda")[:, 2:3]
+    one_token.copy_(q[:, :1])
+    expanded = q[:1].expand(3, -1, -1, -1)
+    for qv, idx_v in ((heads_major, idx), (one_token, idx[:, :1]), (expanded, idx)):
+        plan = ops.plan_sparse_decode(3, qv.shape[1], heads, 192, topk_length=length)
+        got, lse = ops.sparse_mla_decode(qv, cache, idx_v.contiguous(), plan, scale, topk_length=length)
+        want, want_lse = ref.sparse_mla_decode(qv.contiguous(), _kernel_keys(cache), idx_v, None,
+                                               scale, length)
+        _compare(got, lse, want, want_lse)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
