@@ -183,18 +183,41 @@ __device__ __forceinline__ int request_of_unit(const int* P, int batch, int u) {
 // Merge the partials of requests that span CTAs; zero out requests with no keys.
 // One 128-thread block per (row, request): warp g takes splits c = first + g (mod 4), each
 // lane 16 columns (4 float4 per split), so 16 loads per lane are in flight; the warps'
-// sums meet in shared memory. Blocks of unsplit requests exit at once (the large-batch case).
+// sums meet in shared memory. Blocks of unsplit requests exit at once.
+// With more requests than CTAs (by_cta), blockIdx.y = c < num_ctas takes the one request that
+// starts in CTA c's range and continues past it, if there is one (every split request starts
+// in exactly one CTA), and the blocks after those zero the empty requests, one per thread:
+// fewer blocks to launch (a launched block costs about as much as a unit of merging here).
 constexpr int kCombineWarps = 4;
+constexpr int kCombineThreads = 32 * kCombineWarps;
 
 template <typename T>
-__global__ void __launch_bounds__(32 * kCombineWarps) dense_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(kCombineThreads) dense_decode_combine_kernel(const __grid_constant__ DecodeParams p,
+                                                                               bool by_cta) {
   __shared__ float4 s_acc[kCombineWarps - 1][4][32];
   __shared__ float s_red[kCombineWarps];
   pdl_wait();  // the decode kernel's partials
-  const int row = blockIdx.x, r = blockIdx.y;
+  const int row = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int* P = p.meta;
   const int U = __ldg(P + p.batch + 1);
+  int r = blockIdx.y;
+  if (by_cta) {
+    if (int(blockIdx.y) >= p.num_ctas) {  // empty requests: out = 0, lse = -inf
+      const int rz = (int(blockIdx.y) - p.num_ctas) * kCombineThreads + tid;
+      if (rz < p.batch && __ldg(P + rz) == __ldg(P + rz + 1)) {
+        uint4* o = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(rz) * p.rows + row) * kDv);
+#pragma unroll 8
+        for (int k = 0; k < kDv * int(sizeof(T)) / 16; ++k) o[k] = make_uint4(0u, 0u, 0u, 0u);
+        p.lse[int64_t(rz) * p.rows + row] = -INFINITY;
+      }
+      return;
+    }
+    const int c = blockIdx.y, c_end = (c + 1) * U;
+    if (c_end >= __ldg(P + p.batch)) return;  // nothing continues past CTA c
+    r = request_of_unit(P, p.batch, c_end - 1);
+    if (__ldg(P + r) < c * U || __ldg(P + r + 1) <= c_end) return;  // starts earlier, or ends in c
+  }
   const int Pr = __ldg(P + r), Pr1 = __ldg(P + r + 1);
   T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
   if (Pr == Pr1) {  // zero-length request (or no unit): out = 0, lse = -inf
@@ -274,7 +297,10 @@ void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t st
 
 template <typename T>
 inline void launch_combine(const DecodeParams& p, cudaStream_t stream) {
-  launch_pdl(dense_decode_combine_kernel<T>, dim3(p.rows, p.batch), dim3(32 * kCombineWarps), 0, stream, p);
+  const int by_cta_blocks = p.num_ctas + (p.batch + kCombineThreads - 1) / kCombineThreads;
+  const bool by_cta = by_cta_blocks < p.batch;
+  launch_pdl(dense_decode_combine_kernel<T>, dim3(p.rows, by_cta ? by_cta_blocks : p.batch), dim3(kCombineThreads), 0,
+             stream, p, by_cta);
 }
 
 }  // namespace dense

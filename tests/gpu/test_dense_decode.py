@@ -9,6 +9,8 @@ rounding) and < 2e-3 for fp16; lse (fp32 throughout) within 2e-3 absolute; rows 
 key exactly 0 and -inf.
 """
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -87,6 +89,26 @@ def test_large_batch_and_long_context():
     lens = torch.randint(1, 9000, (64,), generator=torch.Generator().manual_seed(5)).tolist()
     _check(lens, 1, 16)
     _check(lens[:16], 2, 128)
+
+
+def _split_and_empty(plan) -> tuple[int, int]:
+    """(requests split across CTAs, empty requests) of a plan (metadata P[0..B], U)."""
+    meta = plan.metadata.cpu().tolist()
+    P, U = meta[:-1], meta[-1]
+    split = sum(1 for a, b in pairwise(P) if b > a and a // U != (b - 1) // U)
+    return split, sum(1 for a, b in pairwise(P) if a == b)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_more_requests_than_ctas_split_and_empty(heads):
+    """More requests than CTAs: the combine takes split requests by the CTA they start in."""
+    g = torch.Generator().manual_seed(_fresh_seed())
+    lens = torch.randint(0, 1500, (300,), generator=g)
+    lens[::7] = 0
+    plan = _check(lens.tolist(), 1, heads)
+    assert 300 > plan.num_ctas + 3  # the by-CTA combine grid is the smaller one
+    split, empty = _split_and_empty(plan)
+    assert split > 0 and empty > 0
 
 
 def test_single_long_request_many_splits():

@@ -13,6 +13,8 @@ float32 dequantization (rel L2 < 8e-3; lse there differs by up to ~1e-2, the bf1
 of the keys, seen on the H200). Rows with no valid index: out exactly 0, lse -inf.
 """
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -178,6 +180,24 @@ def test_decode_fp8_ds_mla_nan_code_reaches_the_output():
     assert torch.equal(got.isnan().all(-1), nan_rows) and torch.equal(got.isnan().any(-1), nan_rows)
     ok = ~nan_rows
     assert rel_l2(got[ok], want[ok]) < TOL_OUT
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_more_groups_than_ctas_split_and_empty(fmt, heads):
+    """More query groups than CTAs: the combine takes split groups by the CTA they start in;
+    empty groups (topk_length 0) get out 0, lse -inf."""
+    g = _gen()
+    lengths = torch.randint(0, 700, (100,), generator=g)
+    lengths[::9] = 0
+    got, _ = _check_decode(100, 2, heads, 640, fmt, num_blocks=80, lengths=lengths.tolist(), g=g)
+    plan = ops.plan_sparse_decode(100, 2, heads, 640, topk_length=torch.tensor(
+        lengths.tolist(), dtype=torch.int32, device="cuda"), device="cuda")
+    meta = plan.metadata.cpu().tolist()
+    P, U = meta[:-1], meta[-1]
+    assert 200 > plan.num_ctas + 2  # the by-CTA combine grid is the smaller one
+    assert any(b > a and a // U != (b - 1) // U for a, b in pairwise(P))  # split groups
+    assert any(a == b for a, b in pairwise(P))                              # empty groups
 
 
 def test_decode_large_batch_and_topk_16384():
