@@ -1423,7 +1423,7 @@ CUtensorMap make_q_map(const DecodeParams& p) {
 }
 
 template <typename T, KeySource kSrc, bool kPaired = false>
-void launch_wgmma(const DecodeParams& p, cudaStream_t stream) {
+void launch_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine = true) {
   auto kernel = decode_wgmma_kernel<T, kSrc, kPaired>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
@@ -1432,7 +1432,7 @@ void launch_wgmma(const DecodeParams& p, cudaStream_t stream) {
   if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
   if constexpr (kQTmaOf<kSrc>) q_map = make_q_map(p);
   launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired ? 2 : 1, p, kv_map, q_map);
-  launch_combine<T>(p, stream);
+  if (combine) launch_combine<T>(p, stream);
 }
 
 }  // namespace
@@ -1447,11 +1447,11 @@ void launch_decode_wgmma(const DecodeParams& p, bool bf16, bool fp8, cudaStream_
   }
 }
 
-void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream) {
+void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, bool combine, cudaStream_t stream) {
   // fp8_ds_mla with two row tiles (H > 64): the tiles share each unit's conversion (kPaired)
-  if (fp8_ds_mla && p.rows > kRows) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, true>(p, stream);
-  else if (fp8_ds_mla) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla>(p, stream);
-  else launch_wgmma<__nv_bfloat16, KeySource::kSparse16>(p, stream);
+  if (fp8_ds_mla && p.rows > kRows) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, true>(p, stream, combine);
+  else if (fp8_ds_mla) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, false>(p, stream, combine);
+  else launch_wgmma<__nv_bfloat16, KeySource::kSparse16, false>(p, stream, combine);
 }
 
 }  // namespace dense

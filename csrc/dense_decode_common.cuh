@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(kCombineThreads) dense_decode_combine_kernel(c
 constexpr int kUnitMma = 32;
 constexpr int kUnitWgmma = 64;
 void launch_decode_wgmma(const DecodeParams& p, bool bf16, bool fp8, cudaStream_t stream);
-void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, cudaStream_t stream);
+void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, bool combine, cudaStream_t stream);
 
 template <typename T>
 inline void launch_combine(const DecodeParams& p, cudaStream_t stream) {

@@ -14,7 +14,7 @@ using namespace dense;
 void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
                        const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
                        at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse,
-                       int64_t num_ctas, int64_t rows_per_cta, double softmax_scale) {
+                       int64_t num_ctas, int64_t rows_per_cta, double softmax_scale, bool combine) {
   // Shapes and dtypes were validated by mla_backend.ops; re-check what memory safety needs.
   TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1 && q.scalar_type() == at::kBFloat16,
               "sparse_mla_decode: bad q");
@@ -59,7 +59,9 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   p.group_s_q = int(s_q);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   TORCH_CHECK(rows_per_cta == 64, "sparse_mla_decode: rows_per_cta must be 64, got ", rows_per_cta);
-  launch_sparse_wgmma(p, ds, stream);
+  // combine == false: the plan proved that no group spans CTAs and none is empty (uniform
+  // topk, CTA ranges of whole groups), so every output is written by the attention kernel
+  launch_sparse_wgmma(p, ds, combine, stream);
 }
 
 }  // namespace mla_backend

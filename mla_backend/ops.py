@@ -419,6 +419,10 @@ class SparsePlan:
     metadata: torch.Tensor
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    # False when the plan proves on the host that every output is written by the attention
+    # kernel itself (no topk_length, and each CTA's unit range holds whole requests: no
+    # request spans CTAs, none is empty), so the merge kernel is not launched
+    needs_combine: bool = True
 
 
 @dataclass
@@ -506,6 +510,10 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
             raise ValueError("pass device (or topk_length, or workspace) to plan_sparse_decode")
         ws = sparse_workspace(max(groups, 1), num_heads, device=device, num_sms=num_sms)
     rows_per_cta, unit_tokens, num_ctas = _sparse_grid(num_heads, ws.num_sms)
+    min_units = -(-MIN_TOKENS_PER_CTA // unit_tokens)
+    # the device planner's units per CTA when every request has topk keys
+    units_per_req = -(-topk // unit_tokens)
+    units_per_cta = max(-(-groups * units_per_req // num_ctas), min_units)
     plan = SparsePlan(
         batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads, topk=topk,
         topk_length=topk_length, rows_per_cta=rows_per_cta, unit_tokens=unit_tokens,
@@ -513,9 +521,9 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
         metadata=ws.metadata[:groups + 2],
         partial_out=ws.partial_out[:2 * num_ctas * num_heads * D_V].view(
             2 * num_ctas, num_heads, D_V),
-        partial_lse=ws.partial_lse[:2 * num_ctas * num_heads].view(2 * num_ctas, num_heads))
+        partial_lse=ws.partial_lse[:2 * num_ctas * num_heads].view(2 * num_ctas, num_heads),
+        needs_combine=topk_length is not None or units_per_cta % units_per_req != 0)
     _extension.require("plan_sparse_decode")
-    min_units = -(-MIN_TOKENS_PER_CTA // unit_tokens)
     torch.ops.mla_backend.plan_sparse_decode(topk_length, plan.metadata, num_q_tokens_per_req,
                                              topk, num_ctas, min_units, unit_tokens)
     return plan
@@ -623,7 +631,7 @@ def _run_sparse(q, kv, indices, plan, softmax_scale, topk_length, out):
     out, lse = _out_and_lse(q, out)
     torch.ops.mla_backend.sparse_mla_decode(
         q, kv, indices, topk_length, plan.metadata, plan.partial_out, plan.partial_lse, out,
-        lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale))
+        lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(plan.needs_combine))
     return out, lse
 
 

@@ -200,6 +200,25 @@ def test_decode_more_groups_than_ctas_split_and_empty(fmt, heads):
     assert any(a == b for a, b in pairwise(P))                              # empty groups
 
 
+def test_plan_needs_combine_matches_the_device_plan():
+    """The host's needs_combine is False exactly when the device's plan has no group that
+    spans CTAs and no empty group (then the merge kernel is not launched)."""
+    seen = set()
+    for batch, s_q, heads, topk in [(32, 2, 128, 512), (128, 2, 128, 512), (128, 2, 128, 2048),
+                                    (3, 2, 16, 128), (1, 1, 128, 16384), (100, 1, 64, 640),
+                                    (7, 3, 20, 64), (128, 1, 16, 2048)]:
+        plan = ops.plan_sparse_decode(batch, s_q, heads, topk, device="cuda")
+        meta = plan.metadata.cpu().tolist()
+        P, U = meta[:-1], meta[-1]
+        spans = any(b > a and a // U != (b - 1) // U for a, b in pairwise(P))
+        empty = any(a == b for a, b in pairwise(P))
+        assert plan.needs_combine == (spans or empty), (batch, s_q, heads, topk)
+        seen.add(plan.needs_combine)
+    assert seen == {True, False}
+    length = torch.full((4,), 64, dtype=torch.int32, device="cuda")
+    assert ops.plan_sparse_decode(4, 1, 16, 64, topk_length=length).needs_combine
+
+
 def test_decode_large_batch_and_topk_16384():
     _check_decode(2, 1, 16, 16384, "fp8_ds_mla", num_blocks=300, lengths=[16384, 9000])
     _check_decode(128, 1, 64, 2048, "bf16", num_blocks=200)
