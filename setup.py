@@ -5,6 +5,7 @@ Env vars:
   MLA_BACKEND_SKIP_CUDA=1     never build the extension
   MLA_BACKEND_PTXAS_VERBOSE=1 print ptxas' per-kernel register / shared-memory report
   MLA_BACKEND_CUTLASS_INCLUDE path to CUTLASS/CuTe headers (default: the nvidia-cutlass wheel)
+  MLA_BACKEND_NVCC_FLAGS      extra nvcc flags, space-separated (experiment builds, e.g. -DNAME=1)
   MAX_JOBS                    parallel nvcc jobs (ninja); default: number of CPUs
 """
 
@@ -77,6 +78,7 @@ def _cuda_extension_kwargs() -> dict:
     ]
     if os.environ.get("MLA_BACKEND_PTXAS_VERBOSE") == "1":
         nvcc_flags.append("-Xptxas=-v")
+    nvcc_flags += os.environ.get("MLA_BACKEND_NVCC_FLAGS", "").split()
     ext = CUDAExtension(
         name="mla_backend._C",
         sources=sources,

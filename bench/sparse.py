@@ -242,8 +242,14 @@ def main(job: str, argv=None) -> int:
     else:
         p.add_argument("--tokens", type=int, default=4096)
         p.add_argument("--topk", type=int, default=2048)
+        p.add_argument("--s-kv", type=int, nargs="+", help="only these kv lengths")
+    p.add_argument("--heads", type=int, nargs="+", help="only these head counts")
     args = p.parse_args(argv)
-    matrix = (QUICK if args.quick else MATRICES)[job]
+    matrix = dict((QUICK if args.quick else MATRICES)[job])
+    if args.heads:
+        matrix["H"] = tuple(args.heads)
+    if job == "prefill" and args.s_kv:
+        matrix["s_kv"] = tuple(args.s_kv)
     gpu, date, commit = common.gpu_name(), common.today(), common.git_commit()
     path = common.resolve_out(args.out, f"sparse_{job}", gpu, date)
     copy_bw = common.copy_bandwidth_gbs()

@@ -266,8 +266,8 @@ static_assert(2 * kFills <= kQBar && kQBar < 18, "the Q mbarrier must not overla
 // The producer warpgroup of the seesaw sources (kPagedFp8, kSparse16). Thread t of its 128 handles list entry t / 2
 // of every unit (its slot, validity and, fp8, the columns it converts; the bf16 source copies
 // whole lines through copy_rows). Fills run in the order the consumers release parts of the K
-// buffers (unit pair a, b: K0 left, K0 right, K1 right, K1 left, the bf16 source taking K1
-// right first when it is free first; see kFills and the consumer loop), each
+// buffers (unit pair a, b: K0 left, K0 right, K1 right, K1 left; the bf16 source K0 left, K1
+// right, K0 right, K1 left; see kFills and the consumer loop), each
 // after the previous occupant's release ("empty" mbarrier: one arrival per warp of the
 // releasing warpgroup). K0 goes first: warpgroup 0's S of the next pair needs it, and K1's
 // left half is released only when that S is half issued (release_k1_left). A fill's copies are issued, then the previous fill
@@ -326,21 +326,18 @@ struct KeyProducer {
     for (int j = 0; j < 16 / kPerCopy; ++j) {
       const int e = j * kPerCopy + ln / kLanes;
       const int64_t off = __shfl_sync(0xffffffff, row_off, 2 * e);
-      const unsigned char* row = off >= 0 ? kv + off + src_off : kv;
+      // one base per entry and lane, every copy at an immediate offset from it: a zero-filled
+      // copy (no entry) reads nothing and its address stays in the cache's first row. (A
+      // per-copy `ok ? 16 u : 0` cost a 64-bit select and add per copy: 13.5 instructions per
+      // copy where ~3 do, on the refill path; docs/kernels/sparse_decode.md, v25.)
+      const bool ok = off >= 0;
+      const unsigned char* row = kv + (ok ? off : 0) + src_off + (ln % kLanes) * 16;
+      const int nbytes = ok ? 16 : 0;
 #pragma unroll
       for (int k = 0; k < kUnits / kLanes; ++k) {
-        const int u = ln % kLanes + kLanes * k;
-        cp_async_16s(dst_of(16 * warp + e, u), row + (off >= 0 ? u * 16 : 0), off >= 0 ? 16 : 0);
+        cp_async_16s(dst_of(16 * warp + e, ln % kLanes + kLanes * k), row + kLanes * 16 * k, nbytes);
       }
     }
-  }
-
-  // part h of buffer b may be refilled now (never filled, or released); the same answer for
-  // the whole warp
-  __device__ bool free_now(int b, int h) const {
-    const int bit = fill_id(b, h);
-    if (!((used >> bit) & 1)) return true;
-    return __shfl_sync(0xffffffff, mbar_test(bars_empty + bit * 8, (empty_phase >> bit) & 1), 0);
   }
 
   // half h of buffer b from cache slot `slot` (-1: zeros, masked): h = 0 chunks 0-3, h = 1
@@ -786,19 +783,13 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           auto early = [&](int entry) { return kLateCheck ? entry : slot_from(entry); };
           const int next_a = early(pa_ + 2 < pg_end ? fetch(pa_ + 2) : -1);
           const int next_b = early(pa_ + 3 < pg_end ? fetch(pa_ + 3) : -1);
-          // bf16: K0's left half (released by warpgroup 0) and K1's right half (by warpgroup
-          // 1) first, whichever is free first (its fills leave nothing pending: kLandArrivesOf).
-          // (The fp8 sources keep the fixed order: there the extra state spilled the slot
-          // prefetch.)
+          // bf16: in the order the halves are released (K0 left, K1 right, K0 right, K1 left),
+          // each after a blocking wait. Polling K0 left and K1 right for whichever came free
+          // first (v7-v24) executed ~18 instructions per poll, 1.7 M polls per 1024 tokens,
+          // and measured no faster (docs/kernels/sparse_decode.md, v25).
           if constexpr (kSrc == KeySource::kSparse16) {
-            bool k1_right_first = false;
-            while (has_b) {
-              if (prod.free_now(0, 0)) break;
-              if (prod.free_now(1, 1)) { k1_right_first = true; break; }
-            }
-            if (k1_right_first) issue(1, 1, slot_b);
             issue(0, 0, slot_a);
-            if (has_b && !k1_right_first) issue(1, 1, slot_b);
+            if (has_b) issue(1, 1, slot_b);
             issue(0, 1, slot_a);
             if (has_b) issue(1, 0, slot_b);
           } else {
@@ -1431,7 +1422,12 @@ void launch_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine = tru
   CUtensorMap kv_map{}, q_map{};  // the producer sources copy keys without a tensor map
   if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
   if constexpr (kQTmaOf<kSrc>) q_map = make_q_map(p);
-  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired ? 2 : 1, p, kv_map, q_map);
+  // bf16 sparse with two row tiles: the tiles of a query group run as a 2-CTA cluster
+  // although they share nothing, so the two CTAs that gather the same keys at about the same
+  // time sit in one GPC (H = 128 -2 to -5%, docs/kernels/sparse_decode.md, v25)
+  const bool co_place = kSrc == KeySource::kSparse16 && grid.y == 2;
+  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired || co_place ? 2 : 1, p, kv_map,
+                       q_map);
   if (combine) launch_combine<T>(p, stream);
 }
 
