@@ -1008,6 +1008,22 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     }
   };
   auto store_p = [&](uint32_t dst, const uint32_t (*pa)[4]) {
+    if constexpr (kSparse) {
+      // one stmatrix per k16 step for its four 8x8 matrices (rows +0 / +8, columns +0 / +8:
+      // the A-fragment order): lane l gives the address of row l % 16, columns 8 (l / 16).
+      // 4 instructions where 16 scalar stores were, on the path to the other warpgroup's PV
+      // (docs/kernels/sparse_decode.md, v27); the dense kernels keep the scalar stores
+      const int prow = (wtid >> 5) * 16 + (lane & 15);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        const uint32_t addr = dst + sw128_offset(prow, ks * 16 + (lane >> 4) * 8);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                     "r"(pa[ks][0]), "r"(pa[ks][1]), "r"(pa[ks][2]), "r"(pa[ks][3])
+                     : "memory");
+      }
+      fence_proxy_async();
+      return;
+    }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       const int col = ks * 16 + qd * 2;
