@@ -1,5 +1,6 @@
-"""Do two builds of the extension compute the same bits? Runs sparse prefill and bf16 sparse
-decode (H 16, 64, 100, 128; random indices with -1 and out-of-range entries) on fixed inputs
+"""Do two builds of the extension compute the same bits? Runs sparse prefill and sparse decode
+over bf16 and fp8_ds_mla caches (H 16, 64, 100, 128; random indices with -1 and out-of-range
+entries) on fixed inputs
 with each build, in a process of its own, and compares outputs and lse bit for bit. For
 changes meant to move time only (schedule, addressing, launch shape).
 
@@ -16,7 +17,7 @@ def run_one(so: str, path: str) -> None:
     os.environ["MLA_BACKEND_EXTENSION"] = so
     import torch
 
-    from mla_backend import ops
+    from mla_backend import formats, ops
 
     res = {}
     g = torch.Generator(device="cuda").manual_seed(123)
@@ -32,6 +33,9 @@ def run_one(so: str, path: str) -> None:
                             dtype=torch.int32)
         plan = ops.plan_sparse_decode(32, 2, heads, 2048, device="cuda")
         res[f"decode H={heads}"] = ops.sparse_mla_decode(qd, cache, idd, plan, 576 ** -0.5)
+        packed = formats.quantize_fp8_ds_mla(cache[..., :512].contiguous(),
+                                             cache[..., 512:].contiguous())
+        res[f"fp8 decode H={heads}"] = ops.sparse_mla_decode(qd, packed, idd, plan, 576 ** -0.5)
     torch.save({k: (o.cpu(), lse.cpu()) for k, (o, lse) in res.items()}, path)
 
 
@@ -53,7 +57,7 @@ def main() -> int:
         lse_eq = torch.equal(ra[k][1].view(torch.int32), rb[k][1].view(torch.int32))
         same &= out_eq and lse_eq
         word = {True: "identical", False: "DIFFERS"}
-        print(f"{k:16s} out {word[out_eq]}, lse {word[lse_eq]}")
+        print(f"{k:20s} out {word[out_eq]}, lse {word[lse_eq]}")
     return 0 if same else 1
 
 
