@@ -761,8 +761,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         // page's block id; -1: none), and the cache slot it names (-1: zero-filled, masked).
         // The fp8 sources check the next pair's entries only when that pair starts: a check
         // right after the load stalled their producer each pair (decode -2 to -4%). The bf16
-        // source checks at once: there the later check measured up to 5% slower (prefill,
-        // docs/kernels/sparse_decode.md, v6).
+        // source checks at once: there the later check measured up to 5% slower at v7 and
+        // within the run-to-run spread at v25 (prefill, docs/kernels/sparse_decode.md).
         auto fetch = [&](int pg) {
           if constexpr (kSparse) {
             const int pos = pg * kKeys + prod.tk;

@@ -1,8 +1,7 @@
 """Do two builds of the extension compute the same bits? Runs sparse prefill and sparse decode
 over bf16 and fp8_ds_mla caches (H 16, 64, 100, 128; random indices with -1 and out-of-range
-entries) on fixed inputs
-with each build, in a process of its own, and compares outputs and lse bit for bit. For
-changes meant to move time only (schedule, addressing, launch shape).
+entries) on fixed inputs with each build, in a process of its own, and compares outputs and
+lse bit for bit. For changes meant to move time only (schedule, addressing, launch shape).
 
     python3 scripts/compare_builds.py A/mla_backend/_C.abi3.so B/mla_backend/_C.abi3.so
 """
@@ -52,11 +51,11 @@ def main() -> int:
 
         ra, rb = (torch.load(p) for p in paths)
     same = True
+    word = {True: "identical", False: "DIFFERS"}
     for k in ra:
         out_eq = torch.equal(ra[k][0].view(torch.int16), rb[k][0].view(torch.int16))
         lse_eq = torch.equal(ra[k][1].view(torch.int32), rb[k][1].view(torch.int32))
         same &= out_eq and lse_eq
-        word = {True: "identical", False: "DIFFERS"}
         print(f"{k:20s} out {word[out_eq]}, lse {word[lse_eq]}")
     return 0 if same else 1
 
