@@ -127,10 +127,11 @@ def build_ours(c: Case) -> Kernel:
 
         def step(i):
             plan = ops.plan_sparse_decode(c.batch, c.s_q, c.H, c.topk, workspace=ws,
-                                          device="cuda")
+                                          device="cuda", kv_cache_dtype=c.kv.dtype)
             return ops.sparse_mla_decode(c.qs[i], c.kv, c.idx[i], plan, c.scale)[0]
     else:
-        plan = ops.plan_sparse_decode(c.rows, 1, c.H, c.topk, device="cuda")
+        plan = ops.plan_sparse_decode(c.rows, 1, c.H, c.topk, device="cuda",
+                                      kv_cache_dtype=c.kv.dtype)
 
         def step(i):
             return ops.sparse_mla_prefill(c.qs[i], c.kv, c.idx[i], c.scale, plan=plan)[0]

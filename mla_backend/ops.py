@@ -466,14 +466,40 @@ def _device_of(device: torch.device | str) -> torch.device:
     return device
 
 
+# A request split over CTAs costs each of them a partial write (H x 512 float32) and the
+# merge kernel a launch and a read; measured on the H100 (docs/kernels/sparse_decode.md,
+# v28) that is worth about 4 units (64 index entries) of one CTA's time on a bf16 cache and
+# at H >= 64, 3 on an fp8_ds_mla cache below 64 heads (its units take longer and its
+# partials are smaller).
+WHOLE_REQUEST_EXTRA_UNITS = 4
+WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H = 3
+
+
+def _whole_requests_floor(groups: int, units_per_req: int, num_ctas: int, min_units: int,
+                          num_heads: int, kv_fp8: bool) -> int:
+    """The planner's floor on units per CTA: raised to whole requests per CTA (no request
+    split, no merge kernel) when that adds few units to the balanced share."""
+    balanced = max(-(-groups * units_per_req // num_ctas), min_units)
+    whole = -(-balanced // units_per_req) * units_per_req
+    limit = (WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H if kv_fp8 and num_heads < 64
+             else WHOLE_REQUEST_EXTRA_UNITS)
+    return whole if whole - balanced <= limit else min_units
+
+
 def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, topk: int, *,
                        topk_length: torch.Tensor | None = None,
                        device: torch.device | str | None = None, num_sms: int | None = None,
-                       workspace: SparseWorkspace | None = None) -> SparsePlan:
+                       workspace: SparseWorkspace | None = None,
+                       kv_cache_dtype: torch.dtype = torch.bfloat16,
+                       min_units_per_cta: int | None = None) -> SparsePlan:
     """Plan sparse attention for q [batch, s_q, H, 576] and indices [batch, s_q, topk]:
     one request per (entry, query token) with min(topk_length[b], topk) keys (topk_length
     int32 [batch] on the GPU, read there: no host sync), or topk keys. Buffers from
-    `workspace` (sparse_workspace) or fresh ones on `device` (default: topk_length's)."""
+    `workspace` (sparse_workspace) or fresh ones on `device` (default: topk_length's).
+    kv_cache_dtype is the dtype of the cache the plan will run on (torch.bfloat16, or
+    torch.uint8 for fp8_ds_mla): it tunes the schedule only, a plan is correct on either.
+    min_units_per_cta (64-entry units) overrides the schedule's floor on the work of one
+    CTA (tuning: scripts/sweep_sparse_units.py)."""
     if not (isinstance(batch, int) and batch >= 0):
         raise ValueError(f"batch must be a non-negative int; got {batch!r}")
     if not (isinstance(num_q_tokens_per_req, int) and num_q_tokens_per_req >= 1):
@@ -482,6 +508,12 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
     _check_heads(num_heads)
     if not (isinstance(topk, int) and 1 <= topk <= MAX_TOPK):
         raise ValueError(f"topk must be an int in [1, {MAX_TOPK}]; got {topk!r}")
+    if kv_cache_dtype not in (torch.bfloat16, torch.uint8):
+        raise ValueError(f"kv_cache_dtype must be torch.bfloat16 or torch.uint8 (fp8_ds_mla); "
+                         f"got {kv_cache_dtype!r}")
+    if min_units_per_cta is not None and not (isinstance(min_units_per_cta, int)
+                                              and min_units_per_cta >= 1):
+        raise ValueError(f"min_units_per_cta must be a positive int; got {min_units_per_cta!r}")
     if topk_length is not None:
         topk_length = _require_tensor("topk_length", topk_length)
         _require(topk_length.shape == (batch,) and topk_length.dtype == torch.int32
@@ -510,9 +542,15 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
             raise ValueError("pass device (or topk_length, or workspace) to plan_sparse_decode")
         ws = sparse_workspace(max(groups, 1), num_heads, device=device, num_sms=num_sms)
     rows_per_cta, unit_tokens, num_ctas = _sparse_grid(num_heads, ws.num_sms)
-    min_units = -(-MIN_TOKENS_PER_CTA // unit_tokens)
-    # the device planner's units per CTA when every request has topk keys
     units_per_req = -(-topk // unit_tokens)
+    if min_units_per_cta is not None:
+        min_units = min_units_per_cta
+    else:
+        min_units = -(-MIN_TOKENS_PER_CTA // unit_tokens)
+        if topk_length is None:  # every request has units_per_req units
+            min_units = _whole_requests_floor(groups, units_per_req, num_ctas, min_units,
+                                              num_heads, kv_cache_dtype == torch.uint8)
+    # the device planner's units per CTA when every request has topk keys
     units_per_cta = max(-(-groups * units_per_req // num_ctas), min_units)
     plan = SparsePlan(
         batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads, topk=topk,
@@ -658,7 +696,8 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         _check_sparse_inputs(q4, kv, idx3, allow_flat=True, kv_name="kv")
         _require_cuda({"q": q, "kv": kv, "indices": indices}, q.device)
         plan = plan_sparse_decode(q.shape[0], 1, q.shape[1], indices.shape[1],
-                                  topk_length=topk_length, device=q.device)
+                                  topk_length=topk_length, device=q.device,
+                                  kv_cache_dtype=kv.dtype)
     elif topk_length is None:
         topk_length = plan.topk_length
     _check_sparse_args(q4, kv, idx3, plan, softmax_scale, topk_length, out, allow_flat=True,

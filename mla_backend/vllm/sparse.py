@@ -108,6 +108,9 @@ class MLASparseMetadataBuilder(AttentionMetadataBuilder[MLASparseMetadata]):
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.req_id_per_token = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.workspace = ops.sparse_workspace(max_tokens, self.num_heads, device=device)
+        # the schedule is tuned per cache format (the plan is correct on either)
+        self.kv_cache_dtype = (torch.uint8 if vllm_config.cache_config.cache_dtype == "fp8_ds_mla"
+                               else torch.bfloat16)
         logger.info("mla_backend: sparse MLA (DSA) on %s kernels (%d query heads, index_topk "
                     "%d, cache %s, CUDA graphs %s)", support.NAME, self.num_heads, self.topk,
                     vllm_config.cache_config.cache_dtype, self._cudagraph_support.name)
@@ -121,7 +124,8 @@ class MLASparseMetadataBuilder(AttentionMetadataBuilder[MLASparseMetadata]):
         host = np_to_pinned_tensor(req) if self.req_id_per_token.is_cuda else torch.from_numpy(req)
         self.req_id_per_token[:req.shape[0]].copy_(host, non_blocking=True)
         plan = ops.plan_sparse_decode(tokens, 1, self.num_heads, self.topk,
-                                      workspace=self.workspace)
+                                      workspace=self.workspace,
+                                      kv_cache_dtype=self.kv_cache_dtype)
         return MLASparseMetadata(num_actual_tokens=tokens,
                                  req_id_per_token=self.req_id_per_token[:tokens],
                                  block_table=cm.block_table_tensor, plan=plan)

@@ -208,8 +208,27 @@ def test_plan_sparse_decode_rejects():
         ops.plan_sparse_decode(2, 1, 16, 64, device="cpu")
     with pytest.raises(ValueError, match="70000 query tokens; one sparse call takes at most 65535"):
         ops.plan_sparse_decode(35000, 2, 16, 64, device="cpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be torch.bfloat16 or torch.uint8"):
+        ops.plan_sparse_decode(2, 1, 16, 64, device="cpu", kv_cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="min_units_per_cta must be a positive int; got 0"):
+        ops.plan_sparse_decode(2, 1, 16, 64, device="cpu", min_units_per_cta=0)
     with pytest.raises(ValueError, match="max_groups must be a positive int"):
         ops.sparse_workspace(0, 16, device="cpu")
+
+
+@pytest.mark.parametrize("groups,units_per_req,ctas,heads,fp8,want", [
+    (256, 32, 132, 64, False, 64),   # 63 -> 64 units: whole requests, no merge
+    (256, 32, 66, 128, True, 128),   # 125 -> 128
+    (64, 8, 132, 16, False, 8),      # 4 -> 8 on a bf16 cache
+    (64, 8, 132, 16, True, 2),       # ... but not on fp8_ds_mla below 64 heads
+    (64, 8, 132, 64, True, 8),
+    (32, 8, 132, 64, False, 2),      # 2 -> 8 adds 6 units: stays split
+    (32, 32, 132, 16, False, 2),     # 8 -> 32
+    (1, 32, 132, 64, False, 2),      # one request over many CTAs
+    (128, 8, 132, 64, False, 8),     # the balanced share is whole requests already
+])
+def test_whole_requests_floor(groups, units_per_req, ctas, heads, fp8, want):
+    assert ops._whole_requests_floor(groups, units_per_req, ctas, 2, heads, fp8) == want
 
 
 def test_sparse_tiles_cover_every_head_count():

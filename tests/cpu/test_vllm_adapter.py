@@ -139,7 +139,8 @@ def _model_dir(tmp_path, heads=16, **extra):
     return str(tmp_path)
 
 
-def _vllm_config(model_dir, *, tp=1, dcp=1, spec_tokens=None, max_num_seqs=32):
+def _vllm_config(model_dir, *, tp=1, dcp=1, spec_tokens=None, max_num_seqs=32,
+                 cache_dtype="auto"):
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=4096,
                         dtype="bfloat16")
     spec = None
@@ -147,7 +148,7 @@ def _vllm_config(model_dir, *, tp=1, dcp=1, spec_tokens=None, max_num_seqs=32):
         spec = SpeculativeConfig(method="ngram", num_speculative_tokens=spec_tokens,
                                  prompt_lookup_max=3, prompt_lookup_min=1)
     return VllmConfig(
-        model_config=model, cache_config=CacheConfig(block_size=64),
+        model_config=model, cache_config=CacheConfig(block_size=64, cache_dtype=cache_dtype),
         parallel_config=ParallelConfig(tensor_parallel_size=tp,
                                        decode_context_parallel_size=dcp),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
@@ -352,8 +353,8 @@ def test_sparse_builder_plans_every_token(tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "sparse_workspace",
                         lambda max_groups, heads, *, device: ("ws", max_groups, heads))
     monkeypatch.setattr(ops, "plan_sparse_decode",
-                        lambda batch, s_q, heads, topk, *, workspace: calls.append(
-                            (batch, s_q, heads, topk, workspace)) or "plan")
+                        lambda batch, s_q, heads, topk, *, workspace, kv_cache_dtype: calls.append(
+                            (batch, s_q, heads, topk, workspace, kv_cache_dtype)) or "plan")
     v32 = {"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 256,
            "index_n_heads": 4, "index_head_dim": 128}
     cfg = _vllm_config(_model_dir(tmp_path, **v32))
@@ -361,11 +362,16 @@ def test_sparse_builder_plans_every_token(tmp_path, monkeypatch):
     b = sparse.MLASparseMetadataBuilder(spec, ["l0"], cfg, torch.device("cpu"))
     assert b.workspace == ("ws", 4096, 16) and b.reorder_batch_threshold == 1
     m = b.build(0, _common([1, 1, 5], [10, 70, 5]))
-    assert calls == [(7, 1, 16, 256, ("ws", 4096, 16))] and m.plan == "plan"
+    assert calls == [(7, 1, 16, 256, ("ws", 4096, 16), torch.bfloat16)] and m.plan == "plan"
     assert m.num_actual_tokens == 7
     assert m.req_id_per_token.tolist() == [0, 1, 2, 2, 2, 2, 2]
     assert b.req_id_per_token[7:].eq(0).all()
     assert m.block_table[:, 0].tolist() == [7, 15, 23]
+    # the plan is tuned for the cache format
+    cfg8 = _vllm_config(_model_dir(tmp_path, **v32), cache_dtype="fp8_ds_mla")
+    sparse.MLASparseMetadataBuilder(spec, ["l0"], cfg8, torch.device("cpu")).build(
+        0, _common([1], [10]))
+    assert calls[-1] == (1, 1, 16, 256, ("ws", 4096, 16), torch.uint8)
 
 
 def test_sparse_cache_shape_follows_the_layers_fp8_ds_mla(monkeypatch):

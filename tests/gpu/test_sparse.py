@@ -90,10 +90,11 @@ def _compare(got, lse, want, want_lse):
         assert torch.allclose(lse[~empty], want_lse[~empty], atol=TOL_LSE)
 
 
-def _check_decode(batch, s_q, heads, topk, fmt, **kw):
+def _check_decode(batch, s_q, heads, topk, fmt, min_units_per_cta=None, **kw):
     q, cache, idx, length = _case(batch, s_q, heads, topk, fmt, **kw)
     scale = 576 ** -0.5
-    plan = ops.plan_sparse_decode(batch, s_q, heads, topk, topk_length=length, device="cuda")
+    plan = ops.plan_sparse_decode(batch, s_q, heads, topk, topk_length=length, device="cuda",
+                                  kv_cache_dtype=cache.dtype, min_units_per_cta=min_units_per_cta)
     out = torch.full((batch, s_q, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     got, lse = ops.sparse_mla_decode(q, cache, idx, plan, scale, topk_length=length, out=out)
     assert got.data_ptr() == out.data_ptr()
@@ -206,17 +207,30 @@ def test_plan_needs_combine_matches_the_device_plan():
     seen = set()
     for batch, s_q, heads, topk in [(32, 2, 128, 512), (128, 2, 128, 512), (128, 2, 128, 2048),
                                     (3, 2, 16, 128), (1, 1, 128, 16384), (100, 1, 64, 640),
-                                    (7, 3, 20, 64), (128, 1, 16, 2048)]:
-        plan = ops.plan_sparse_decode(batch, s_q, heads, topk, device="cuda")
-        meta = plan.metadata.cpu().tolist()
-        P, U = meta[:-1], meta[-1]
-        spans = any(b > a and a // U != (b - 1) // U for a, b in pairwise(P))
-        empty = any(a == b for a, b in pairwise(P))
-        assert plan.needs_combine == (spans or empty), (batch, s_q, heads, topk)
-        seen.add(plan.needs_combine)
+                                    (7, 3, 20, 64), (128, 1, 16, 2048), (64, 1, 16, 512)]:
+        for kv_dtype in (torch.bfloat16, torch.uint8):
+            plan = ops.plan_sparse_decode(batch, s_q, heads, topk, device="cuda",
+                                          kv_cache_dtype=kv_dtype)
+            meta = plan.metadata.cpu().tolist()
+            P, U = meta[:-1], meta[-1]
+            spans = any(b > a and a // U != (b - 1) // U for a, b in pairwise(P))
+            empty = any(a == b for a, b in pairwise(P))
+            assert plan.needs_combine == (spans or empty), (batch, s_q, heads, topk, kv_dtype)
+            seen.add(plan.needs_combine)
     assert seen == {True, False}
     length = torch.full((4,), 64, dtype=torch.int32, device="cuda")
     assert ops.plan_sparse_decode(4, 1, 16, 64, topk_length=length).needs_combine
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("min_units", [8, 3, 16])
+def test_decode_whole_request_and_split_schedules(fmt, heads, min_units):
+    """The same inputs under a schedule of whole requests per CTA (8 units: no merge), of
+    requests split at odd places (3), and of two requests per CTA (16)."""
+    plan = ops.plan_sparse_decode(8, 2, heads, 512, device="cuda", min_units_per_cta=min_units)
+    assert plan.needs_combine == (min_units == 3)
+    _check_decode(8, 2, heads, 512, fmt, min_units_per_cta=min_units, num_blocks=40)
 
 
 def test_decode_large_batch_and_topk_16384():

@@ -1,0 +1,83 @@
+"""Sparse decode, ours alone: where one call's time goes. Per row (bench.sparse inputs),
+CUDA-graph timings of the planner kernel alone, the attention kernel alone (its plan made
+once), attention + merge, and the whole call (plan + attention + merge, as the bench times
+it).
+
+    python3 scripts/sparse_decode_breakdown.py [--cache bf16] [--batch 1 32 128] \
+        [--heads 16 64 128] [--s-q 1 2] [--topk 512 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common, sparse  # noqa: E402
+from mla_backend import ops  # noqa: E402
+
+
+def breakdown(c, budget_ms: float) -> dict[str, float]:
+    ws = ops.sparse_workspace(c.rows, c.H, device="cuda")
+
+    def plan():
+        return ops.plan_sparse_decode(c.batch, c.s_q, c.H, c.topk, workspace=ws, device="cuda",
+                                      kv_cache_dtype=c.kv.dtype)
+
+    fixed = plan()
+    out = torch.empty(c.batch, c.s_q, c.H, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(c.batch, c.s_q, c.H, dtype=torch.float32, device="cuda")
+
+    def attention(i, combine):
+        torch.ops.mla_backend.sparse_mla_decode(
+            c.qs[i], c.kv, c.idx[i], None, fixed.metadata, fixed.partial_out, fixed.partial_lse,
+            out, lse, fixed.num_ctas, fixed.rows_per_cta, float(c.scale), combine)
+
+    def whole(i):
+        return ops.sparse_mla_decode(c.qs[i], c.kv, c.idx[i], plan(), c.scale, out=out)
+
+    steps = {"plan": lambda i: plan(),
+             "attn": lambda i: attention(i, False),
+             "attn+merge": lambda i: attention(i, fixed.needs_combine),
+             "call": whole}
+    return {k: common.time_graph(f, c.nsets, budget_ms=budget_ms).us for k, f in steps.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cache", nargs="+", default=["bf16"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--heads", type=int, nargs="+", default=[16, 64, 128])
+    p.add_argument("--s-q", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--topk", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--budget-ms", type=float, default=25.0)
+    args = p.parse_args()
+    pool: dict = {}
+    seed = 200
+    common.log(f"{'row':44s} {'plan':>7s} {'attn':>7s} {'+merge':>7s} {'call':>7s}  merge?")
+    for cache in args.cache:
+        for batch in args.batch:
+            for topk in args.topk:
+                for s_q in args.s_q:
+                    for H in args.heads:
+                        seed += 1
+                        c = sparse.make_decode_case(H, s_q, batch, topk, args.context, cache,
+                                                    seed, pool)
+                        t = breakdown(c, args.budget_ms)
+                        merge = ops.plan_sparse_decode(batch, s_q, H, topk, device="cuda",
+                                                       kv_cache_dtype=c.kv.dtype).needs_combine
+                        row = f"{cache} H={H} s_q={s_q} b={batch} topk={topk}"
+                        common.log(f"{row:44s} {t['plan']:7.1f} {t['attn']:7.1f} "
+                                   f"{t['attn+merge']:7.1f} {t['call']:7.1f}  {merge}")
+                        del c
+                        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
