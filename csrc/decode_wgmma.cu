@@ -663,11 +663,13 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   };
   const float scale_log2 = p.scale_log2 * read_kv_scale();
 
-  const int* P = p.meta;
+  // the plan's schedule (the sparse kernels may run a uniform plan: see plan_start)
+  auto P_at = [&](int r) { return plan_start<kSparse>(p, r); };
+  auto request_of = [&](int u) { return plan_request_of_unit<kSparse>(p, u); };
   const int cta = blockIdx.x;
   const int row0 = blockIdx.y * kRows;
   int u_begin, u_end, U;
-  if (!cta_units(p, u_begin, u_end, U)) return;  // kPaired: both CTAs (same blockIdx.x)
+  if (!cta_units<kSparse>(p, u_begin, u_end, U)) return;  // kPaired: both CTAs (same blockIdx.x)
   if constexpr (kPaired) cluster_sync();  // both CTAs' barriers initialised
   else __syncthreads();                   // barriers initialised
 
@@ -686,11 +688,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         const int entry = Prod::entry_of(int(cluster_rank()), wtid), part = Prod::part_of(wtid);
         Prod prod{p,    static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + kFills * 8,
                   sMask, entry, part, wtid >> 5, lane, peer_delta};
-        int r = request_of_unit(P, p.batch, u_begin);
+        int r = request_of(u_begin);
         for (int u = u_begin; u < u_end;) {
-          while (u >= __ldg(P + r + 1)) ++r;
-          const int Pr = __ldg(P + r);
-          const int pg_begin = u - Pr, pg_end = min(u_end, __ldg(P + r + 1)) - Pr;
+          while (u >= P_at(r + 1)) ++r;
+          const int Pr = P_at(r);
+          const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;
           const int* list = sparse_group_indices(p, r);
           const int len = sparse_group_len(p, r);
           auto fetch = [&](int pg) {
@@ -749,11 +751,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         }
         pending = f;
       };
-      int r = request_of_unit(P, p.batch, u_begin);
+      int r = request_of(u_begin);
       for (int u = u_begin; u < u_end;) {
-        while (u >= __ldg(P + r + 1)) ++r;
-        const int Pr = __ldg(P + r);
-        const int pg_begin = u - Pr, pg_end = min(u_end, __ldg(P + r + 1)) - Pr;
+        while (u >= P_at(r + 1)) ++r;
+        const int Pr = P_at(r);
+        const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;
         // cache slot of this thread's entry of unit pg (-1: zero-filled, masked)
         const int* list = kSparse ? sparse_group_indices(p, r) : nullptr;
         const int len = kSparse ? sparse_group_len(p, r) : __ldg(p.seq_lens + r);
@@ -1060,11 +1062,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   };
 
   // ---- the CTA's unit range, one request piece at a time
-  int r = request_of_unit(P, p.batch, u_begin);
+  int r = request_of(u_begin);
   for (int u = u_begin; u < u_end;) {
-    while (u >= __ldg(P + r + 1)) ++r;
-    const int Pr = __ldg(P + r);
-    const int pg_begin = u - Pr, pg_end = min(u_end, __ldg(P + r + 1)) - Pr;  // page indices
+    while (u >= P_at(r + 1)) ++r;
+    const int Pr = P_at(r);
+    const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;  // page indices
     const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + r);
     // dense prologue: first pages of the piece (both buffers are free: the previous piece
     // ended with a CTA barrier after every wgmma retired)
@@ -1322,7 +1324,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     consumers_sync();
     const float lt[2] = {sSum[wrow] + sSum[kRows + wrow], sSum[wrow + 8] + sSum[kRows + wrow + 8]};
     const float mt[2] = {sM[wrow], sM[wrow + 8]};
-    const int Pr1 = __ldg(P + r + 1);
+    const int Pr1 = P_at(r + 1);
     const bool split = (Pr / U) != ((Pr1 - 1) / U);
     const float kv_scale = read_kv_scale();
     const int slot = Pr <= u_begin ? 0 : 1;

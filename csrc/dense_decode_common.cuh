@@ -49,6 +49,10 @@ struct DecodeParams {
   int topk = 0;
   int group_s_q = 1;
   int64_t num_slots = 0;
+  // Uniform sparse plans (see plan_start): units per request (0: the plan is in meta) and
+  // units per CTA
+  int uniform_units = 0;
+  int units_per_cta = 0;
 };
 
 // The fields every decode entry point (dense and sparse) fills alike: q, the cache, the
@@ -160,11 +164,23 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The plan's schedule: P[r] = the first unit of request r (P[batch] = all units), U = units
+// per CTA. A plan from the planner kernel keeps P[0..batch] and U in p.meta. A uniform sparse
+// plan (every request topk entries: no topk_length) has P[r] = r * uniform_units and U from
+// the host: no planner launch, and no chain of dependent loads of P (log2(batch) of them to
+// find a CTA's first request) before a CTA's first copy. kMaybeUniform: the caller may run a
+// uniform plan (the sparse kernels, the merge kernel); the dense kernels never do.
+template <bool kMaybeUniform>
+__device__ __forceinline__ int plan_start(const DecodeParams& p, int r) {
+  return kMaybeUniform && p.uniform_units > 0 ? r * p.uniform_units : __ldg(p.meta + r);
+}
+
 // This CTA's units [u_begin, u_end) under the plan (CTA blockIdx.x of every m-tile takes
 // units [cU, cU + U)); false when it has none. U is the plan's units per CTA.
+template <bool kMaybeUniform = false>
 __device__ __forceinline__ bool cta_units(const DecodeParams& p, int& u_begin, int& u_end, int& U) {
-  const int total = __ldg(p.meta + p.batch);
-  U = __ldg(p.meta + p.batch + 1);
+  const int total = plan_start<kMaybeUniform>(p, p.batch);
+  U = kMaybeUniform && p.uniform_units > 0 ? p.units_per_cta : __ldg(p.meta + p.batch + 1);
   u_begin = blockIdx.x * U;
   u_end = min(u_begin + U, total);
   return u_begin < total;
@@ -178,6 +194,10 @@ __device__ __forceinline__ int request_of_unit(const int* P, int batch, int u) {
     if (__ldg(P + mid) <= u) lo = mid; else hi = mid;
   }
   return lo;
+}
+template <bool kMaybeUniform>
+__device__ __forceinline__ int plan_request_of_unit(const DecodeParams& p, int u) {
+  return kMaybeUniform && p.uniform_units > 0 ? u / p.uniform_units : request_of_unit(p.meta, p.batch, u);
 }
 
 // Merge the partials of requests that span CTAs; zero out requests with no keys.
@@ -199,13 +219,13 @@ __global__ void __launch_bounds__(kCombineThreads) dense_decode_combine_kernel(c
   pdl_wait();  // the decode kernel's partials
   const int row = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int* P = p.meta;
-  const int U = __ldg(P + p.batch + 1);
+  auto P_at = [&](int r) { return plan_start<true>(p, r); };
+  const int U = p.uniform_units > 0 ? p.units_per_cta : __ldg(p.meta + p.batch + 1);
   int r = blockIdx.y;
   if (by_cta) {
     if (int(blockIdx.y) >= p.num_ctas) {  // empty requests: out = 0, lse = -inf
       const int rz = (int(blockIdx.y) - p.num_ctas) * kCombineThreads + tid;
-      if (rz < p.batch && __ldg(P + rz) == __ldg(P + rz + 1)) {
+      if (rz < p.batch && P_at(rz) == P_at(rz + 1)) {
         uint4* o = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(rz) * p.rows + row) * kDv);
 #pragma unroll 8
         for (int k = 0; k < kDv * int(sizeof(T)) / 16; ++k) o[k] = make_uint4(0u, 0u, 0u, 0u);
@@ -214,11 +234,11 @@ __global__ void __launch_bounds__(kCombineThreads) dense_decode_combine_kernel(c
       return;
     }
     const int c = blockIdx.y, c_end = (c + 1) * U;
-    if (c_end >= __ldg(P + p.batch)) return;  // nothing continues past CTA c
-    r = request_of_unit(P, p.batch, c_end - 1);
-    if (__ldg(P + r) < c * U || __ldg(P + r + 1) <= c_end) return;  // starts earlier, or ends in c
+    if (c_end >= P_at(p.batch)) return;  // nothing continues past CTA c
+    r = plan_request_of_unit<true>(p, c_end - 1);
+    if (P_at(r) < c * U || P_at(r + 1) <= c_end) return;  // starts earlier, or ends in c
   }
-  const int Pr = __ldg(P + r), Pr1 = __ldg(P + r + 1);
+  const int Pr = P_at(r), Pr1 = P_at(r + 1);
   T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
   if (Pr == Pr1) {  // zero-length request (or no unit): out = 0, lse = -inf
     *reinterpret_cast<uint2*>(out + tid * 4) = make_uint2(Mma<T>::pack(0.f, 0.f), Mma<T>::pack(0.f, 0.f));

@@ -14,7 +14,8 @@ using namespace dense;
 void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
                        const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
                        at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse,
-                       int64_t num_ctas, int64_t rows_per_cta, double softmax_scale, bool combine) {
+                       int64_t num_ctas, int64_t rows_per_cta, double softmax_scale, bool combine,
+                       int64_t uniform_units, int64_t units_per_cta) {
   // Shapes and dtypes were validated by mla_backend.ops; re-check what memory safety needs.
   TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1 && q.scalar_type() == at::kBFloat16,
               "sparse_mla_decode: bad q");
@@ -36,6 +37,13 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   TORCH_CHECK(metadata.numel() == groups + 2 && partial_out.size(0) == 2 * num_ctas && partial_out.size(1) == heads &&
                   partial_lse.size(0) == 2 * num_ctas,
               "sparse_mla_decode: plan buffers do not match q");
+  // uniform plan (uniform_units > 0): every group has its topk entries, ceil(topk / 64) units,
+  // and the kernels take the schedule from these two numbers rather than from metadata
+  const int64_t topk_units = (indices.size(2) + kUnitWgmma - 1) / kUnitWgmma;
+  TORCH_CHECK(uniform_units == 0 || (uniform_units == topk_units && !topk_length.has_value() && units_per_cta >= 1 &&
+                                     units_per_cta <= groups * topk_units),
+              "sparse_mla_decode: a uniform plan needs uniform_units = ceil(topk / 64), no topk_length and "
+              "1 <= units_per_cta <= all units");
   if (groups == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   DecodeParams p =
@@ -57,6 +65,8 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   p.topk_length = topk_length.has_value() ? topk_length->data_ptr<int>() : nullptr;
   p.topk = int(indices.size(2));
   p.group_s_q = int(s_q);
+  p.uniform_units = int(uniform_units);
+  p.units_per_cta = int(units_per_cta);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   TORCH_CHECK(rows_per_cta == 64, "sparse_mla_decode: rows_per_cta must be 64, got ", rows_per_cta);
   // combine == false: the plan proved that no group spans CTAs and none is empty (uniform

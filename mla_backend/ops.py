@@ -423,6 +423,12 @@ class SparsePlan:
     # kernel itself (no topk_length, and each CTA's unit range holds whole requests: no
     # request spans CTAs, none is empty), so the merge kernel is not launched
     needs_combine: bool = True
+    # Uniform plans (no topk_length: every request has ceil(topk / 64) units): the schedule is
+    # the closed form request r = units [r * uniform_units, (r + 1) * uniform_units), CTA c =
+    # units [c * units_per_cta, ...), so no planner kernel runs and metadata is not used.
+    # 0: the planner wrote the schedule into metadata on the GPU.
+    uniform_units: int = 0
+    units_per_cta: int = 0
 
 
 @dataclass
@@ -550,8 +556,9 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
         if topk_length is None:  # every request has units_per_req units
             min_units = _whole_requests_floor(groups, units_per_req, num_ctas, min_units,
                                               num_heads, kv_cache_dtype == torch.uint8)
-    # the device planner's units per CTA when every request has topk keys
+    # units per CTA when every request has topk keys (what the device planner computes)
     units_per_cta = max(-(-groups * units_per_req // num_ctas), min_units)
+    uniform = topk_length is None
     plan = SparsePlan(
         batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads, topk=topk,
         topk_length=topk_length, rows_per_cta=rows_per_cta, unit_tokens=unit_tokens,
@@ -560,10 +567,14 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
         partial_out=ws.partial_out[:2 * num_ctas * num_heads * D_V].view(
             2 * num_ctas, num_heads, D_V),
         partial_lse=ws.partial_lse[:2 * num_ctas * num_heads].view(2 * num_ctas, num_heads),
-        needs_combine=topk_length is not None or units_per_cta % units_per_req != 0)
-    _extension.require("plan_sparse_decode")
-    torch.ops.mla_backend.plan_sparse_decode(topk_length, plan.metadata, num_q_tokens_per_req,
-                                             topk, num_ctas, min_units, unit_tokens)
+        needs_combine=not uniform or units_per_cta % units_per_req != 0,
+        uniform_units=units_per_req if uniform else 0,
+        units_per_cta=units_per_cta if uniform else 0)
+    if not uniform:  # lengths known on the GPU only: the planner kernel reads them there
+        _extension.require("plan_sparse_decode")
+        torch.ops.mla_backend.plan_sparse_decode(topk_length, plan.metadata,
+                                                 num_q_tokens_per_req, topk, num_ctas, min_units,
+                                                 unit_tokens)
     return plan
 
 
@@ -669,7 +680,8 @@ def _run_sparse(q, kv, indices, plan, softmax_scale, topk_length, out):
     out, lse = _out_and_lse(q, out)
     torch.ops.mla_backend.sparse_mla_decode(
         q, kv, indices, topk_length, plan.metadata, plan.partial_out, plan.partial_lse, out,
-        lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(plan.needs_combine))
+        lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(plan.needs_combine),
+        plan.uniform_units, plan.units_per_cta)
     return out, lse
 
 

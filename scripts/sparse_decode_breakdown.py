@@ -35,7 +35,8 @@ def breakdown(c, budget_ms: float) -> dict[str, float]:
     def attention(i, combine):
         torch.ops.mla_backend.sparse_mla_decode(
             c.qs[i], c.kv, c.idx[i], None, fixed.metadata, fixed.partial_out, fixed.partial_lse,
-            out, lse, fixed.num_ctas, fixed.rows_per_cta, float(c.scale), combine)
+            out, lse, fixed.num_ctas, fixed.rows_per_cta, float(c.scale), combine,
+            fixed.uniform_units, fixed.units_per_cta)
 
     def whole(i):
         return ops.sparse_mla_decode(c.qs[i], c.kv, c.idx[i], plan(), c.scale, out=out)

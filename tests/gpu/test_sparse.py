@@ -201,9 +201,29 @@ def test_decode_more_groups_than_ctas_split_and_empty(fmt, heads):
     assert any(a == b for a, b in pairwise(P))                              # empty groups
 
 
+def _planner_schedule(batch, s_q, topk, num_ctas, min_units):
+    """(P, U) from the planner kernel, as for a plan with lengths on the GPU."""
+    meta = torch.full((batch * s_q + 2,), -7, dtype=torch.int32, device="cuda")
+    torch.ops.mla_backend.plan_sparse_decode(None, meta, s_q, topk, num_ctas, min_units, 64)
+    meta = meta.cpu().tolist()
+    return meta[:-1], meta[-1]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_uniform_plan_more_groups_than_ctas_split(fmt, heads):
+    """A uniform plan (no topk_length) whose CTAs split groups, with more groups than CTAs:
+    the kernels and the by-CTA merge take the schedule from its closed form."""
+    plan = ops.plan_sparse_decode(100, 2, heads, 640, device="cuda", min_units_per_cta=16)
+    assert plan.uniform_units == 10 and plan.needs_combine
+    assert plan.units_per_cta % 10 != 0 and 200 > plan.num_ctas + 2
+    _check_decode(100, 2, heads, 640, fmt, min_units_per_cta=16, num_blocks=80)
+
+
 def test_plan_needs_combine_matches_the_device_plan():
-    """The host's needs_combine is False exactly when the device's plan has no group that
-    spans CTAs and no empty group (then the merge kernel is not launched)."""
+    """A uniform plan (no topk_length) is the planner kernel's schedule in closed form, and
+    the host's needs_combine is False exactly when that schedule has no group that spans
+    CTAs and no empty group (then the merge kernel is not launched)."""
     seen = set()
     for batch, s_q, heads, topk in [(32, 2, 128, 512), (128, 2, 128, 512), (128, 2, 128, 2048),
                                     (3, 2, 16, 128), (1, 1, 128, 16384), (100, 1, 64, 640),
@@ -211,8 +231,11 @@ def test_plan_needs_combine_matches_the_device_plan():
         for kv_dtype in (torch.bfloat16, torch.uint8):
             plan = ops.plan_sparse_decode(batch, s_q, heads, topk, device="cuda",
                                           kv_cache_dtype=kv_dtype)
-            meta = plan.metadata.cpu().tolist()
-            P, U = meta[:-1], meta[-1]
+            upr, U = plan.uniform_units, plan.units_per_cta
+            assert upr == -(-topk // 64) and U >= 1
+            P = [r * upr for r in range(batch * s_q + 1)]
+            # the planner kernel, given the floor that yields U, computes the same schedule
+            assert _planner_schedule(batch, s_q, topk, plan.num_ctas, U) == (P, U)
             spans = any(b > a and a // U != (b - 1) // U for a, b in pairwise(P))
             empty = any(a == b for a, b in pairwise(P))
             assert plan.needs_combine == (spans or empty), (batch, s_q, heads, topk, kv_dtype)
