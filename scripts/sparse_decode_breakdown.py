@@ -1,7 +1,8 @@
 """Sparse decode, ours alone: where one call's time goes. Per row (bench.sparse inputs),
 CUDA-graph timings of the planner kernel alone, the attention kernel alone (its plan made
-once), attention + merge, and the whole call (plan + attention + merge, as the bench times
-it).
+once), attention + merge, the whole call (plan + attention + merge, as the bench times it),
+and, for uniform plans (no topk_length), the whole call with the same schedule from the
+planner kernel instead of its closed form ("dev-plan").
 
     python3 scripts/sparse_decode_breakdown.py [--cache bf16] [--batch 1 32 128] \
         [--heads 16 64 128] [--s-q 1 2] [--topk 512 2048]
@@ -32,11 +33,16 @@ def breakdown(c, budget_ms: float) -> dict[str, float]:
     out = torch.empty(c.batch, c.s_q, c.H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(c.batch, c.s_q, c.H, dtype=torch.float32, device="cuda")
 
-    def attention(i, combine):
+    def attention(i, combine, uniform=True):
         torch.ops.mla_backend.sparse_mla_decode(
             c.qs[i], c.kv, c.idx[i], None, fixed.metadata, fixed.partial_out, fixed.partial_lse,
             out, lse, fixed.num_ctas, fixed.rows_per_cta, float(c.scale), combine,
-            fixed.uniform_units, fixed.units_per_cta)
+            fixed.uniform_units if uniform else 0, fixed.units_per_cta if uniform else 0)
+
+    def device_planned(i):
+        torch.ops.mla_backend.plan_sparse_decode(None, fixed.metadata, c.s_q, c.topk,
+                                                 fixed.num_ctas, fixed.units_per_cta, 64)
+        attention(i, fixed.needs_combine, uniform=False)
 
     def whole(i):
         return ops.sparse_mla_decode(c.qs[i], c.kv, c.idx[i], plan(), c.scale, out=out)
@@ -44,7 +50,7 @@ def breakdown(c, budget_ms: float) -> dict[str, float]:
     steps = {"plan": lambda i: plan(),
              "attn": lambda i: attention(i, False),
              "attn+merge": lambda i: attention(i, fixed.needs_combine),
-             "call": whole}
+             "call": whole, "dev-plan": device_planned}
     return {k: common.time_graph(f, c.nsets, budget_ms=budget_ms).us for k, f in steps.items()}
 
 
@@ -60,7 +66,8 @@ def main() -> int:
     args = p.parse_args()
     pool: dict = {}
     seed = 200
-    common.log(f"{'row':44s} {'plan':>7s} {'attn':>7s} {'+merge':>7s} {'call':>7s}  merge?")
+    common.log(f"{'row':44s} {'plan':>7s} {'attn':>7s} {'+merge':>7s} {'call':>7s} "
+               f"{'dev-plan':>8s}  merge?")
     for cache in args.cache:
         for batch in args.batch:
             for topk in args.topk:
@@ -74,7 +81,8 @@ def main() -> int:
                                                        kv_cache_dtype=c.kv.dtype).needs_combine
                         row = f"{cache} H={H} s_q={s_q} b={batch} topk={topk}"
                         common.log(f"{row:44s} {t['plan']:7.1f} {t['attn']:7.1f} "
-                                   f"{t['attn+merge']:7.1f} {t['call']:7.1f}  {merge}")
+                                   f"{t['attn+merge']:7.1f} {t['call']:7.1f} "
+                                   f"{t['dev-plan']:8.1f}  {merge}")
                         del c
                         torch.cuda.empty_cache()
     return 0
