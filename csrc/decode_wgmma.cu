@@ -98,6 +98,17 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t smem_byte_addr, uint32_t 
   return d;
 }
 
+// The descriptor of byte `off` past the one of `d`: only the start address field (bits 0-13,
+// address >> 4) moves, and shared-memory addresses stay below 2^18 bytes, so the low word's
+// add never carries into the LBO field. Descriptors built once per buffer and offset per
+// k-step this way cost one uniform add per operand; built from each address (make_desc per
+// wgmma) they cost ~10 uniform instructions per wgmma, ~14% of the bf16 sparse kernel's
+// instructions (docs/kernels/sparse_decode.md, v31).
+__device__ __forceinline__ uint64_t desc_at(uint64_t d, uint32_t off) {
+  const uint32_t lo = static_cast<uint32_t>(d) + (off >> 4);
+  return (d & 0xFFFFFFFF00000000ull) | lo;
+}
+
 namespace G = cute::SM90::GMMA;
 template <typename T> struct Gmma;
 template <> struct Gmma<__nv_bfloat16> {
@@ -881,6 +892,15 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       phases ^= 1u << bit;
     }
   };
+  // wgmma descriptors of Q, the K buffers and this warpgroup's V columns of them (desc_at)
+  // (selected, not indexed: b is a run-time value in places, and an indexed local array
+  // would live in local memory)
+  const uint64_t dQ = make_desc(sQ, 16, 1024);
+  const uint64_t dK0 = make_desc(sKbuf(0), 16, 1024), dK1 = make_desc(sKbuf(1), 16, 1024);
+  const uint64_t dV0 = make_desc(sKbuf(0) + wg * kHalfL, kChunkBytes, 1024);
+  const uint64_t dV1 = make_desc(sKbuf(1) + wg * kHalfL, kChunkBytes, 1024);
+  auto dK = [&](int b) { return b == 0 ? dK0 : dK1; };
+  auto dV = [&](int b) { return b == 0 ? dV0 : dV1; };
   float o[128];
   float s[32];        // S of this warpgroup's current page, then its P (fp32)
   uint32_t q8[4][4];  // kPagedTma: Q rope chunk (columns 512-575) as wgmma A fragments, 4 k-steps
@@ -904,11 +924,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         const bool zero = i == 0 && k == 0;
         if (kProduced || c < 8) {
           const uint32_t koff = c * kChunkBytes + k * 32;
-          gmma_ss<typename Gmma<T>::QK_SS>(make_desc(sQ + koff, 16, 1024), make_desc(sKbuf(b) + koff, 16, 1024), s,
-                                           !zero, std::make_index_sequence<32>{});
+          gmma_ss<typename Gmma<T>::QK_SS>(desc_at(dQ, koff), desc_at(dK(b), koff), s, !zero,
+                                           std::make_index_sequence<32>{});
         } else {
-          gmma_rs<typename Gmma<T>::QK_RS>(q8[k], make_desc(sKbuf(b) + 8 * kChunkBytes + k * 32, 16, 1024), s,
-                                           !zero, std::make_index_sequence<32>{});
+          gmma_rs<typename Gmma<T>::QK_RS>(q8[k], desc_at(dK(b), 8 * kChunkBytes + k * 32), s, !zero,
+                                           std::make_index_sequence<32>{});
         }
       }
       cute::warpgroup_commit_batch();
@@ -922,17 +942,17 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     cute::warpgroup_arrive();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      gmma_rs<typename Gmma<T>::PV_RS>(pa[ks], make_desc(sKbuf(b) + wg * kHalfL + ks * 2048, kChunkBytes, 1024), o,
-                                       true, std::make_index_sequence<128>{});
+      gmma_rs<typename Gmma<T>::PV_RS>(pa[ks], desc_at(dV(b), ks * 2048), o, true,
+                                       std::make_index_sequence<128>{});
     }
     cute::warpgroup_commit_batch();
   };
   auto issue_pv_ss = [&](uint32_t sPsrc, int b) {
+    const uint64_t dP = make_desc(sPsrc, 16, 1024);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      gmma_ss<typename Gmma<T>::PV_SS>(make_desc(sPsrc + ks * 32, 16, 1024),
-                                       make_desc(sKbuf(b) + wg * kHalfL + ks * 2048, kChunkBytes, 1024), o, true,
+      gmma_ss<typename Gmma<T>::PV_SS>(desc_at(dP, ks * 32), desc_at(dV(b), ks * 2048), o, true,
                                        std::make_index_sequence<128>{});
     }
     cute::warpgroup_commit_batch();
@@ -1135,7 +1155,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
               const uint32_t koff = c * kChunkBytes + k * 32;
-              gmma_ss<typename Gmma<T>::QK_SS>(make_desc(sQ + koff, 16, 1024), make_desc(sKbuf(b) + koff, 16, 1024),
+              gmma_ss<typename Gmma<T>::QK_SS>(desc_at(dQ, koff), desc_at(dK(b), koff),
                                                s, c != 0 || k != 0, std::make_index_sequence<32>{});
             }
             cute::warpgroup_commit_batch();
