@@ -109,6 +109,19 @@ __device__ __forceinline__ uint64_t desc_at(uint64_t d, uint32_t off) {
   return (d & 0xFFFFFFFF00000000ull) | lo;
 }
 
+#ifdef MLA_TIMELINE
+// Diagnostic builds only: globaltimer stamps per CTA into part_out (unused by plans that
+// split no request), 64 slots of u64 per CTA (scripts/timeline_sparse.py reads them).
+__device__ __forceinline__ uint64_t tl_now() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define TL(slot) (reinterpret_cast<uint64_t*>(p.part_out)[int64_t(blockIdx.x + gridDim.x * blockIdx.y) * 64 + (slot)] = tl_now())
+#else
+#define TL(slot) ((void)0)
+#endif
+
 namespace G = cute::SM90::GMMA;
 template <typename T> struct Gmma;
 template <> struct Gmma<__nv_bfloat16> {
@@ -664,8 +677,10 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  if (tid == 0) TL(0);
   pdl_launch_dependents();
   pdl_wait();  // the plan, q, the indices and the cache are written by earlier kernels
+  if (tid == 0) TL(1);
   // per-tensor fp8: S = kv_scale * (q . k8) and O = kv_scale * (P . v8) (read again in the
   // epilogue rather than held in a register); 1 otherwise
   auto read_kv_scale = [&] {
@@ -801,10 +816,12 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           // first (v7-v24) executed ~18 instructions per poll, 1.7 M polls per 1024 tokens,
           // and measured no faster (docs/kernels/sparse_decode.md, v25).
           if constexpr (kSrc == KeySource::kSparse16) {
+            if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(2);
             issue(0, 0, slot_a);
             if (has_b) issue(1, 1, slot_b);
             issue(0, 1, slot_a);
             if (has_b) issue(1, 0, slot_b);
+            if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(3);
           } else {
             // fills (b, h) = (0, 0), (0, 1), (1, 1), (1, 0) in a loop that is not unrolled:
             // unrolled, each of the 4 call sites inlined its conversions twice (~4400
@@ -1102,6 +1119,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       if (tid == 0) load_q(r);
       if (tid < kRows) sM[tid] = kNoMax;
       if (!kSplitOf<kSrc> || wg == 0) mbar_wait(q_bar, q_phase);  // split: only warpgroup 0 reads Q
+      if (wtid == 0 && u == u_begin) TL(4 + wg);
       q_phase ^= 1;
       consumers_sync();
     } else {
@@ -1230,6 +1248,10 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     }
 
     for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
+      if (wtid == 0 && wg == 0) {
+        const int k = 8 + (u - u_begin + pa_ - pg_begin) / 2;
+        if (k < 56) TL(k);
+      }
       const int pb = pa_ + 1;  // warpgroup 1's page
       const bool has_b = pb < pg_end;
       // block ids of the next pair, read now so the load latency hides behind this pair
@@ -1336,6 +1358,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
 
     }  // seesaw schedule
 
+    if (wtid == 0) TL(56 + wg);
     // ---- epilogue of the piece: row sums of both warpgroups, then out / partial
     float l0 = l_run[0], l1 = l_run[1];
     l0 += __shfl_xor_sync(0xffffffff, l0, 1); l0 += __shfl_xor_sync(0xffffffff, l0, 2);
@@ -1348,6 +1371,48 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     const bool split = (Pr / U) != ((Pr1 - 1) / U);
     const float kv_scale = read_kv_scale();
     const int slot = Pr <= u_begin ? 0 : 1;
+    if (kSparse && !split) {
+      // a whole request: O (bf16) through sQ (free: this piece's S are done) into rows of 1024
+      // bytes, 16-byte units XOR-swizzled by row % 8, with one stmatrix per 4 n-blocks; then
+      // the 256 consumer threads store it with 16-byte coalesced stores. Stored from the
+      // accumulator layout, each 4-byte store spanned 8 rows (8 lines per instruction) and
+      // the epilogue took ~5 us per piece (scripts/timeline_sparse.py,
+      // docs/kernels/sparse_decode.md, v33).
+      const int srow = (wtid >> 5) * 16 + (lane & 7);  // row of the matrix this lane addresses
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const float inv_l = lt[hr] != 0.f ? 1.f / lt[hr] : 0.f;
+        const int mrow = srow + hr * 8;
+#pragma unroll
+        for (int g = 0; g < 8; ++g) {  // n-blocks 4g .. 4g + 3: matrix j = lane / 8
+          const int unit = wg * 32 + 4 * g + (lane >> 3);
+          const uint32_t addr = sQ + mrow * 1024 + (((unit & ~7) | ((unit & 7) ^ (mrow & 7))) << 4);
+          uint32_t v[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int n = 4 * g + j;
+            v[j] = Mma<T>::pack(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
+          }
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v[0]),
+                       "r"(v[1]), "r"(v[2]), "r"(v[3])
+                       : "memory");
+        }
+        const int row = row0 + wrow + hr * 8;
+        if (wg == 0 && qd == 0 && row < p.rows)
+          p.lse[int64_t(r) * p.rows + row] = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
+      }
+      consumers_sync();
+      const int ctid = wg * 128 + wtid;
+#pragma unroll 4
+      for (int k = 0; k < kRows * 64 / kConsumerThreads; ++k) {
+        const int i = k * kConsumerThreads + ctid, m = i >> 6, unit = i & 63;
+        if (row0 + m >= p.rows) continue;
+        const uint4 val = *reinterpret_cast<const uint4*>(smem + (sQ - base) + m * 1024 +
+                                                           (((unit & ~7) | ((unit & 7) ^ (m & 7))) << 4));
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + row0 + m) * kDv + unit * 8) = val;
+      }
+      fence_proxy_async();  // sQ: generic accesses here, the next piece's Q by TMA
+    } else {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + wrow + hr * 8;
@@ -1373,7 +1438,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
       }
     }
+    }  // staged or direct stores
     consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers) are reused by the next piece
+    if (tid == 0) TL(58);
     u = Pr + pg_end;
   }
   };  // consumers
