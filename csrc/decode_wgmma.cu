@@ -777,6 +777,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         }
         pending = f;
       };
+      // bf16 sparse: the next piece's first two entries, loaded during this piece's last pair
+      // (loaded at the next piece's start, a new request's index loads stood between the last
+      // pair's fills and the next piece's first; docs/kernels/sparse_decode.md, v34)
+      int carry_a = -1, carry_b = -1;
+      bool carried = false;
       int r = request_of(u_begin);
       for (int u = u_begin; u < u_end;) {
         while (u >= P_at(r + 1)) ++r;
@@ -803,7 +808,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           if constexpr (kSparse) return entry >= 0 && entry < p.num_slots ? entry : -1;
           else return entry >= 0 ? entry * kPage + prod.tk : -1;
         };
-        int slot_a = slot_from(fetch(pg_begin)), slot_b = pg_begin + 1 < pg_end ? slot_from(fetch(pg_begin + 1)) : -1;
+        int slot_a = slot_from(carried ? carry_a : fetch(pg_begin));
+        int slot_b = pg_begin + 1 < pg_end ? slot_from(carried ? carry_b : fetch(pg_begin + 1)) : -1;
+        carried = false;
         for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
           const bool has_b = pa_ + 1 < pg_end;
           // the next pair's entries (loads in flight while this pair is issued)
@@ -811,6 +818,16 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           auto early = [&](int entry) { return kLateCheck ? entry : slot_from(entry); };
           const int next_a = early(pa_ + 2 < pg_end ? fetch(pa_ + 2) : -1);
           const int next_b = early(pa_ + 3 < pg_end ? fetch(pa_ + 3) : -1);
+          if constexpr (kSrc == KeySource::kSparse16) {
+            if (pa_ + 2 >= pg_end && Pr + pg_end < u_end) {  // last pair, and a next piece
+              const int nr = request_of(Pr + pg_end);  // it starts at that request's first unit
+              const int* nlist = sparse_group_indices(p, nr);
+              const int nlen = sparse_group_len(p, nr);
+              carry_a = prod.tk < nlen ? __ldg(nlist + prod.tk) : -1;
+              carry_b = kKeys + prod.tk < nlen ? __ldg(nlist + kKeys + prod.tk) : -1;
+              carried = true;
+            }
+          }
           // bf16: in the order the halves are released (K0 left, K1 right, K0 right, K1 left),
           // each after a blocking wait. Polling K0 left and K1 right for whichever came free
           // first (v7-v24) executed ~18 instructions per poll, 1.7 M polls per 1024 tokens,
