@@ -102,6 +102,21 @@ def make_decode_case(H, s_q, batch, topk, context, cache_fmt, seed, pool) -> Cas
     return Case("decode", H, batch * s_q, batch, s_q, topk, kv, qs, idxs, D_QK ** -0.5)
 
 
+def decode_cases(caches, batches, topks, s_qs, heads, context, seed):
+    """(cache format, Case) for every combination, seeds seed + 1, seed + 2, ...; one cache
+    pool for the rows of a (batch, cache), freed between rows (the tuning scripts' matrix)."""
+    pool: dict = {}
+    for cache in caches:
+        for batch in batches:
+            for topk in topks:
+                for s_q in s_qs:
+                    for H in heads:
+                        seed += 1
+                        yield cache, make_decode_case(H, s_q, batch, topk, context, cache, seed,
+                                                      pool)
+                        torch.cuda.empty_cache()
+
+
 def make_prefill_case(H, tokens, topk, s_kv, seed) -> Case:
     g = torch.Generator(device="cuda").manual_seed(seed)
     kv = torch.randn(s_kv, D_QK, device="cuda", generator=g).to(torch.bfloat16)

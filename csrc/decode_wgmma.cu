@@ -1395,6 +1395,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       // accumulator layout, each 4-byte store spanned 8 rows (8 lines per instruction) and
       // the epilogue took ~5 us per piece (scripts/timeline_sparse.py,
       // docs/kernels/sparse_decode.md, v33).
+      auto staged = [&](int m, int unit) { return uint32_t(m * 1024 + ((unit ^ (m & 7)) << 4)); };
       const int srow = (wtid >> 5) * 16 + (lane & 7);  // row of the matrix this lane addresses
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
@@ -1403,7 +1404,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
 #pragma unroll
         for (int g = 0; g < 8; ++g) {  // n-blocks 4g .. 4g + 3: matrix j = lane / 8
           const int unit = wg * 32 + 4 * g + (lane >> 3);
-          const uint32_t addr = sQ + mrow * 1024 + (((unit & ~7) | ((unit & 7) ^ (mrow & 7))) << 4);
+          const uint32_t addr = sQ + staged(mrow, unit);
           uint32_t v[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -1424,8 +1425,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       for (int k = 0; k < kRows * 64 / kConsumerThreads; ++k) {
         const int i = k * kConsumerThreads + ctid, m = i >> 6, unit = i & 63;
         if (row0 + m >= p.rows) continue;
-        const uint4 val = *reinterpret_cast<const uint4*>(smem + (sQ - base) + m * 1024 +
-                                                           (((unit & ~7) | ((unit & 7) ^ (m & 7))) << 4));
+        const uint4 val = *reinterpret_cast<const uint4*>(smem + (sQ - base) + staged(m, unit));
         *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + row0 + m) * kDv + unit * 8) = val;
       }
       fence_proxy_async();  // sQ: generic accesses here, the next piece's Q by TMA

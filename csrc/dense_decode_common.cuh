@@ -175,12 +175,18 @@ __device__ __forceinline__ int plan_start(const DecodeParams& p, int r) {
   return kMaybeUniform && p.uniform_units > 0 ? r * p.uniform_units : __ldg(p.meta + r);
 }
 
+// U, the plan's units per CTA
+template <bool kMaybeUniform>
+__device__ __forceinline__ int plan_units_per_cta(const DecodeParams& p) {
+  return kMaybeUniform && p.uniform_units > 0 ? p.units_per_cta : __ldg(p.meta + p.batch + 1);
+}
+
 // This CTA's units [u_begin, u_end) under the plan (CTA blockIdx.x of every m-tile takes
-// units [cU, cU + U)); false when it has none. U is the plan's units per CTA.
+// units [cU, cU + U)); false when it has none.
 template <bool kMaybeUniform = false>
 __device__ __forceinline__ bool cta_units(const DecodeParams& p, int& u_begin, int& u_end, int& U) {
   const int total = plan_start<kMaybeUniform>(p, p.batch);
-  U = kMaybeUniform && p.uniform_units > 0 ? p.units_per_cta : __ldg(p.meta + p.batch + 1);
+  U = plan_units_per_cta<kMaybeUniform>(p);
   u_begin = blockIdx.x * U;
   u_end = min(u_begin + U, total);
   return u_begin < total;
@@ -220,7 +226,7 @@ __global__ void __launch_bounds__(kCombineThreads) dense_decode_combine_kernel(c
   const int row = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   auto P_at = [&](int r) { return plan_start<true>(p, r); };
-  const int U = p.uniform_units > 0 ? p.units_per_cta : __ldg(p.meta + p.batch + 1);
+  const int U = plan_units_per_cta<true>(p);
   int r = blockIdx.y;
   if (by_cta) {
     if (int(blockIdx.y) >= p.num_ctas) {  // empty requests: out = 0, lse = -inf

@@ -549,16 +549,16 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
         ws = sparse_workspace(max(groups, 1), num_heads, device=device, num_sms=num_sms)
     rows_per_cta, unit_tokens, num_ctas = _sparse_grid(num_heads, ws.num_sms)
     units_per_req = -(-topk // unit_tokens)
+    uniform = topk_length is None  # every request has units_per_req units
     if min_units_per_cta is not None:
         min_units = min_units_per_cta
     else:
         min_units = -(-MIN_TOKENS_PER_CTA // unit_tokens)
-        if topk_length is None:  # every request has units_per_req units
+        if uniform:
             min_units = _whole_requests_floor(groups, units_per_req, num_ctas, min_units,
                                               num_heads, kv_cache_dtype == torch.uint8)
     # units per CTA when every request has topk keys (what the device planner computes)
     units_per_cta = max(-(-groups * units_per_req // num_ctas), min_units)
-    uniform = topk_length is None
     plan = SparsePlan(
         batch=batch, q_tokens_per_req=num_q_tokens_per_req, num_heads=num_heads, topk=topk,
         topk_length=topk_length, rows_per_cta=rows_per_cta, unit_tokens=unit_tokens,

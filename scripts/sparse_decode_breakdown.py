@@ -68,27 +68,16 @@ def main() -> int:
     p.add_argument("--budget-ms", type=float, default=25.0)
     args = p.parse_args()
     _extension.require("sparse_mla_decode")  # the script calls the ops directly
-    pool: dict = {}
-    seed = 200
     common.log(f"{'row':44s} {'plan':>7s} {'attn':>7s} {'+merge':>7s} {'call':>7s} "
                f"{'dev-plan':>8s}  merge?")
-    for cache in args.cache:
-        for batch in args.batch:
-            for topk in args.topk:
-                for s_q in args.s_q:
-                    for H in args.heads:
-                        seed += 1
-                        c = sparse.make_decode_case(H, s_q, batch, topk, args.context, cache,
-                                                    seed, pool)
-                        t = breakdown(c, args.budget_ms)
-                        merge = ops.plan_sparse_decode(batch, s_q, H, topk, device="cuda",
-                                                       kv_cache_dtype=c.kv.dtype).needs_combine
-                        row = f"{cache} H={H} s_q={s_q} b={batch} topk={topk}"
-                        common.log(f"{row:44s} {t['plan']:7.1f} {t['attn']:7.1f} "
-                                   f"{t['attn+merge']:7.1f} {t['call']:7.1f} "
-                                   f"{t['dev-plan']:8.1f}  {merge}")
-                        del c
-                        torch.cuda.empty_cache()
+    for cache, c in sparse.decode_cases(args.cache, args.batch, args.topk, args.s_q, args.heads,
+                                        args.context, seed=200):
+        t = breakdown(c, args.budget_ms)
+        merge = ops.plan_sparse_decode(c.batch, c.s_q, c.H, c.topk, device="cuda",
+                                       kv_cache_dtype=c.kv.dtype).needs_combine
+        row = f"{cache} H={c.H} s_q={c.s_q} b={c.batch} topk={c.topk}"
+        common.log(f"{row:44s} {t['plan']:7.1f} {t['attn']:7.1f} {t['attn+merge']:7.1f} "
+                   f"{t['call']:7.1f} {t['dev-plan']:8.1f}  {merge}")
     return 0
 
 

@@ -16,8 +16,6 @@ import math
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common, sparse  # noqa: E402
@@ -80,25 +78,14 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     results = []
-    pool: dict = {}
-    seed = 100
-    for cache in args.cache:
-        for batch in args.batch:
-            for topk in args.topk:
-                for s_q in args.s_q:
-                    for H in args.heads:
-                        seed += 1
-                        c = sparse.make_decode_case(H, s_q, batch, topk, args.context, cache,
-                                                    seed, pool)
-                        row = sweep_row(c, cache, args.rounds, args.budget_ms)
-                        results.append(row)
-                        med, best = row["us"], row["best"]
-                        cells = " ".join(f"{k}{'' if row['combine'][k] else '*'}:{v:.1f}"
-                                         for k, v in med.items())
-                        common.log(f"{cache:10s} H={H:3d} s_q={s_q} b={batch:3d} topk={topk:4d}"
-                                   f"  best {best} {med[best] / med['default']:.3f}x | {cells}")
-                        del c
-                        torch.cuda.empty_cache()
+    for cache, c in sparse.decode_cases(args.cache, args.batch, args.topk, args.s_q, args.heads,
+                                        args.context, seed=100):
+        row = sweep_row(c, cache, args.rounds, args.budget_ms)
+        results.append(row)
+        med, best = row["us"], row["best"]
+        cells = " ".join(f"{k}{'' if row['combine'][k] else '*'}:{v:.1f}" for k, v in med.items())
+        common.log(f"{cache:10s} H={c.H:3d} s_q={c.s_q} b={c.batch:3d} topk={c.topk:4d}"
+                   f"  best {best} {med[best] / med['default']:.3f}x | {cells}")
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": common.gpu_name(), "date": common.today(),
                                               "commit": common.git_commit(),
