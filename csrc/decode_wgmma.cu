@@ -163,29 +163,6 @@ constexpr int kBarWg0 = 5;     // ... and one warpgroup's 128 threads (ids 5, 6)
 constexpr int kBarConsumers = 7;  // both consumer warpgroups where a producer runs beside them
 
 
-#ifndef MLA_SPARSE_VARIANT
-#define MLA_SPARSE_VARIANT 0
-#endif
-constexpr int kSparseVariant = MLA_SPARSE_VARIANT;
-
-// v[j] of quad lane q holds columns (8 j + 2 q, +1) of a row as bf16x2; afterwards v[i] of
-// lane q holds columns (8 q + 2 i, +1): the 8 columns of block q, 16 contiguous bytes. A 4x4
-// transpose over the quad in two exchanges (lanes ^ 2: the off-diagonal 2x2 blocks, then
-// lanes ^ 1: within them).
-__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int q) {
-  const bool a = q & 2, b = q & 1;
-#pragma unroll
-  for (int d = 0; d < 2; ++d) {
-    const uint32_t got = __shfl_xor_sync(0xffffffff, a ? v[d] : v[2 + d], 2);
-    if (a) v[d] = got; else v[2 + d] = got;
-  }
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const uint32_t got = __shfl_xor_sync(0xffffffff, b ? v[2 * c] : v[2 * c + 1], 1);
-    if (b) v[2 * c] = got; else v[2 * c + 1] = got;
-  }
-}
-
 template <int N>
 __device__ __forceinline__ void fence_regs(float* d) {
 #pragma unroll
@@ -902,13 +879,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   constexpr bool kQTma = kQTmaOf<kSrc>;
   const uint32_t q_bar = bars + kQBar * 8;
   uint32_t q_phase = 0;
-  // bit 2: the next piece's Q is loaded in this piece's last pair, once both warpgroups' S
-  // are done (needs bit 1: sQ then stages nothing)
-  constexpr bool kPrefetchQ = kSrc == KeySource::kSparse16 && (kSparseVariant & 3) == 3;
-  // bit 4: the next piece's first S issued in this piece's last pair, in flight during the
-  // epilogue (needs bits 1 and 2)
-  constexpr bool kOverlapNext = kPrefetchQ && (kSparseVariant & 4);
-  bool s_issued = false;  // this warpgroup's first S of the piece was issued in the last one
   // kQTma: Q of query group rq -> sQ (one thread; sQ is free)
   auto load_q = [&](int rq) {
     mbar_expect_tx(q_bar, kTileBytes);
@@ -1163,7 +1133,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       }
     }
     if constexpr (kQTma) {  // the previous piece ended with a consumer barrier: sQ is free
-      if (tid == 0 && !(kPrefetchQ && u != u_begin)) load_q(r);
+      if (tid == 0) load_q(r);
       if (tid < kRows) sM[tid] = kNoMax;
       if (!kSplitOf<kSrc> || wg == 0) mbar_wait(q_bar, q_phase);  // split: only warpgroup 0 reads Q
       if (wtid == 0 && u == u_begin) TL(4 + wg);
@@ -1288,19 +1258,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     } else {
     // this warpgroup's first page
     if (pg_begin + wg < pg_end) {
-      if (!(kOverlapNext && s_issued)) {
-        if (wg == 0) issue_s(std::integral_constant<int, 0>{}, nothing);
-        else issue_s(std::integral_constant<int, 1>{}, nothing);
-      }
+      if (wg == 0) issue_s(std::integral_constant<int, 0>{}, nothing);
+      else issue_s(std::integral_constant<int, 1>{}, nothing);
       cute::warpgroup_wait<0>();
       fence_regs<32>(s);
     }
-    s_issued = false;
-    // units of the CTA's next piece (0: none); it starts at its request's first unit
-    auto next_piece_units = [&] {
-      const int un = Pr + pg_end;
-      return un < u_end ? min(u_end, P_at(request_of(un) + 1)) - un : 0;
-    };
 
     for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
       if (wtid == 0 && wg == 0) {
@@ -1357,31 +1319,15 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         };
         if (pa_ + 2 < pg_end) {
           issue_s(std::integral_constant<int, 0>{}, release_k1_left);
-        } else if (kOverlapNext && next_piece_units() > 0) {
-          // the next piece's first unit is refilled into K0 and its Q is on the way (bit 2):
-          // its S runs during this piece's epilogue
-          mbar_wait(q_bar, q_phase);  // waited again (at once) when the next piece starts
-          issue_s(std::integral_constant<int, 0>{}, [&] {
-            cute::warpgroup_wait<4>();  // the PVs retire; S's 4 newest groups may not
-            if (has_b) release(1, 0, false, 0);
-          });
-          s_issued = true;
         } else if (has_b) {
           cute::warpgroup_wait<0>();
           release(1, 0, pb + 2 < pg_end, blk_b2);
         }
-        if (kOverlapNext && s_issued) {
-          fence_regs<128>(o);  // the PVs retired in issue_s (wait<4>); S stays in flight
-        } else {
-          cute::warpgroup_wait<0>();
-          fence_regs<128>(o);
-          fence_regs<32>(s);
-        }
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(o);
+        fence_regs<32>(s);
       } else {
         named_sync(kBarMax0, 256);
-        if constexpr (kPrefetchQ) {  // both warpgroups' S of the piece's last pair are done
-          if (wtid == 0 && pa_ + 2 >= pg_end && Pr + pg_end < u_end) load_q(request_of(Pr + pg_end));
-        }
         float rmax[2], m_new[2], scale1[2], rsum[2] = {0.f, 0.f};
         const float scale0[2] = {sScale0[wrow], sScale0[wrow + 8]};
         if (has_b) {
@@ -1423,10 +1369,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           issue_s(std::integral_constant<int, 1>{}, nothing);
           cute::warpgroup_wait<0>();
           fence_regs<32>(s);
-        } else if (kOverlapNext && pa_ + 2 >= pg_end && next_piece_units() > 1) {
-          mbar_wait(q_bar, q_phase);
-          issue_s(std::integral_constant<int, 1>{}, nothing);
-          s_issued = true;
         }
       }
     }
@@ -1446,28 +1388,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     const bool split = (Pr / U) != ((Pr1 - 1) / U);
     const float kv_scale = read_kv_scale();
     const int slot = Pr <= u_begin ? 0 : 1;
-    if (kSparse && !split && (kSparseVariant & 1)) {
-      // a whole request: each quad transposes its 4 n-blocks so a thread stores 16 bytes
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const float inv_l = lt[hr] != 0.f ? 1.f / lt[hr] : 0.f;
-        const int row = row0 + wrow + hr * 8;
-        T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv + wg * 256;
-#pragma unroll
-        for (int g = 0; g < 8; ++g) {
-          uint32_t v[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int n = 4 * g + j;
-            v[j] = Mma<T>::pack(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
-          }
-          quad_transpose(v, qd);
-          if (row < p.rows) *reinterpret_cast<uint4*>(out + (4 * g + qd) * 8) = make_uint4(v[0], v[1], v[2], v[3]);
-        }
-        if (wg == 0 && qd == 0 && row < p.rows)
-          p.lse[int64_t(r) * p.rows + row] = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
-      }
-    } else if (kSparse && !split) {
+    if (kSparse && !split) {
       // a whole request: O (bf16) through sQ (free: this piece's S are done) into rows of 1024
       // bytes, 16-byte units XOR-swizzled by row % 8, with one stmatrix per 4 n-blocks; then
       // the 256 consumer threads store it with 16-byte coalesced stores. Stored from the
