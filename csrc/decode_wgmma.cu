@@ -1478,6 +1478,313 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if constexpr (kPaired) cluster_sync();
 }
 
+// ---- H <= 16 over a bf16 cache: keys as the MMA's M dimension (the "narrow" kernel) ----
+// The 64-row kernel pads H <= 16 to 64 rows: 4x the MMA work of the heads it serves, so its
+// H = 16 prefill costs as much as H = 64 (~2.0 us per unit, where the copy alone takes 1.25:
+// bench/gather_ceiling.cu). Here S^T = K Q^T (wgmma m64n16k16: M = the unit's 64 keys, N = 16
+// heads, A = the K buffer as the producer fills it) and O^T = V^T P^T (M = 512 value columns
+// in 8 tiles, A = the same buffer read M-major, B = P^T from shared memory): the MMA work is
+// the heads'. Warpgroup w takes the piece's units i = w (mod 2), in buffer Kw, with its own
+// running max, sums and O^T (8 tiles x 8 floats); the two never wait on each other inside a
+// piece and merge at its end. The producer is the bf16 seesaw's (KeyProducer), filling each
+// unit's two halves in order. docs/kernels/sparse_decode.md, v37.
+constexpr int kNarrowRows = 16;
+constexpr int kNarrowQChunk = kNarrowRows * 128;            // one 64-column chunk of Q: 2 KiB
+constexpr int kNarrowOffK = (kDqk / 64) * kNarrowQChunk;    // Q: 18 KiB (a multiple of 1 KiB)
+constexpr int kNarrowOffP = kNarrowOffK + 2 * kTileBytes;   // P^T of each warpgroup, 2 KiB each
+constexpr int kNarrowOffO = kNarrowOffP + 2 * kNarrowQChunk;  // warpgroup 1's O^T, fp32, 32 KiB
+constexpr int kNarrowOffStage = kNarrowOffO + kDv * kNarrowRows * 4;  // bf16 out [16][512]
+constexpr int kNarrowOffRed = kNarrowOffStage + kDv * kNarrowRows * 2;  // maxima [2 wg][2][4 warps][16]
+constexpr int kNarrowOffSum = kNarrowOffRed + 2 * 2 * 4 * 16 * 4;     // sums [2 wg][4 warps][16]
+constexpr int kNarrowOffM1 = kNarrowOffSum + 2 * 4 * 16 * 4;          // warpgroup 1's max [16]
+constexpr int kNarrowOffBars = kNarrowOffM1 + 16 * 4;
+constexpr int kNarrowOffMask = kNarrowOffBars + (kQBar + 1) * 8;
+constexpr size_t kNarrowSmem = size_t(kNarrowOffMask) + 8 * 4 + 1024;
+static_assert(kNarrowSmem <= 232448, "more shared memory than an sm_90 block can have");
+using NarrowQK = G::MMA_64x16x16_F32BF16BF16_SS<G::Major::K, G::Major::K>;
+using NarrowPV = G::MMA_64x16x16_F32BF16BF16_SS<G::Major::MN, G::Major::K>;
+
+__global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_constant__ DecodeParams p,
+                                                               const __grid_constant__ CUtensorMap q_map) {
+  using T = __nv_bfloat16;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const uint32_t sQ = base;
+  auto sKbuf = [&](int b) { return base + kNarrowOffK + b * kTileBytes; };
+  float* sO = reinterpret_cast<float*>(smem + kNarrowOffO);
+  unsigned char* stage = smem + kNarrowOffStage;
+  float* sRed = reinterpret_cast<float*>(smem + kNarrowOffRed);
+  float* sSumW = reinterpret_cast<float*>(smem + kNarrowOffSum);
+  float* sM1 = reinterpret_cast<float*>(smem + kNarrowOffM1);
+  const uint32_t bars = base + kNarrowOffBars;
+  uint32_t* sMask = reinterpret_cast<uint32_t*>(smem + kNarrowOffMask);
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5;
+  const int qd = lane & 3;
+  if (tid == 0) {
+    for (int i = 0; i < kFills; ++i) mbar_init(bars + i * 8, 132);  // see kLandArrivesOf
+    for (int i = kFills; i < 2 * kFills; ++i) mbar_init(bars + i * 8, 4);
+    mbar_init(bars + kQBar * 8, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  pdl_launch_dependents();
+  pdl_wait();  // the plan, q, the indices and the cache are written by earlier kernels
+  auto P_at = [&](int r) { return plan_start<true>(p, r); };
+  auto request_of = [&](int u) { return plan_request_of_unit<true>(p, u); };
+  const int cta = blockIdx.x;
+  int u_begin, u_end, U;
+  if (!cta_units<true>(p, u_begin, u_end, U)) return;
+  __syncthreads();  // barriers initialised
+
+  if (wg == 2) {  // ---- producer warpgroup: unit i of a piece -> buffer i % 2, left half first
+    set_max_regs_dec<kProducerRegs>();
+    KeyProducer<T, KeySource::kSparse16> prod{p,     static_cast<const unsigned char*>(p.kv), sKbuf(0), bars,
+                                              bars + kFills * 8, sMask, wtid >> 1, wtid & 1, warp, lane};
+    typename KeyProducer<T, KeySource::kSparse16>::Fill pending;  // the bf16 fills announce themselves
+    int r = request_of(u_begin);
+    for (int u = u_begin; u < u_end;) {
+      while (u >= P_at(r + 1)) ++r;
+      const int Pr = P_at(r);
+      const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;
+      const int* list = sparse_group_indices(p, r);
+      const int len = sparse_group_len(p, r);
+      auto slot_of = [&](int pg) {
+        const int pos = pg * kKeys + prod.tk;
+        const int v = pg < pg_end && pos < len ? __ldg(list + pos) : -1;
+        return v >= 0 && v < p.num_slots ? v : -1;
+      };
+      int slot_next = slot_of(pg_begin);
+#pragma unroll 1
+      for (int pg = pg_begin; pg < pg_end; ++pg) {
+        const int b = (pg - pg_begin) & 1;
+        const int slot = slot_next;
+        slot_next = slot_of(pg + 1);  // in flight while this unit's copies are issued
+        prod.issue(b, 0, slot, pending);
+        prod.issue(b, 1, slot, pending);
+      }
+      u = Pr + pg_end;
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup wg takes units i = wg (mod 2) of each piece, in buffer K_wg
+  set_max_regs_inc<kConsumerRegs>();
+  const float scale_log2 = p.scale_log2;
+  const uint32_t q_bar = bars + kQBar * 8;
+  uint32_t q_phase = 0, full_phase = 0;  // bit h: parity of this warpgroup's buffer half h
+  int red_par = 0;
+  const uint32_t sP = base + kNarrowOffP + wg * kNarrowQChunk;
+  const uint64_t dQ = make_desc(sQ, 16, 1024);
+  const uint64_t dK = make_desc(sKbuf(wg), 16, 1024);
+  const uint64_t dV = make_desc(sKbuf(wg), kChunkBytes, 1024);
+  const uint64_t dP = make_desc(sP, 16, 1024);
+  // this thread's accumulator elements: S^T s[4j + 2hr + e] and O^T tile t o[8t + 4j + 2hr + e]
+  // are key / value column 16 warp + lane / 4 + 8 hr of the tile, head 8j + 2 qd + e; its
+  // four heads hd = 2j + e
+  auto head_of = [&](int hd) { return 8 * (hd >> 1) + 2 * qd + (hd & 1); };
+  float o[64], s[8], m_run[4], l_run[4];
+  auto wait_half = [&](int h) {
+    const int bit = fill_id(wg, h);
+    mbar_wait(bars + bit * 8, (full_phase >> h) & 1);
+    full_phase ^= 1u << h;
+    fence_proxy_async();  // cp.async wrote the half through the generic proxy
+  };
+
+  int r = request_of(u_begin);
+  for (int u = u_begin; u < u_end;) {
+    while (u >= P_at(r + 1)) ++r;
+    const int Pr = P_at(r);
+    const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;
+    if (tid == 0) {  // the previous piece ended with a consumer barrier after its last S: sQ is free
+      mbar_expect_tx(q_bar, (kDqk / 64) * kNarrowQChunk);
+#pragma unroll
+      for (int c = 0; c < kDqk / 64; ++c)
+        tma_load_q_box(sQ + c * kNarrowQChunk, &q_map, c * 64, 0, r % p.group_s_q, r / p.group_s_q, q_bar);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#pragma unroll
+    for (int hd = 0; hd < 4; ++hd) { m_run[hd] = kNoMax; l_run[hd] = 0.f; }
+    mbar_wait(q_bar, q_phase);
+    q_phase ^= 1;
+
+    const int n = pg_end - pg_begin;
+#pragma unroll 1
+    for (int i = wg; i < n; i += 2) {
+      // S^T = K Q^T, the left half's chunks as soon as they land
+      wait_half(0);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          gmma_ss<NarrowQK>(desc_at(dK, c * kChunkBytes + k * 32), desc_at(dQ, c * kNarrowQChunk + k * 32), s,
+                            c != 0 || k != 0, std::make_index_sequence<8>{});
+      cute::warpgroup_commit_batch();
+      wait_half(1);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int c = 4; c < 9; ++c)
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          gmma_ss<NarrowQK>(desc_at(dK, c * kChunkBytes + k * 32), desc_at(dQ, c * kNarrowQChunk + k * 32), s, true,
+                            std::make_index_sequence<8>{});
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs<8>(s);
+
+      // softmax over the unit's keys (the M dimension: lanes, then the 4 warps)
+      const uint32_t valid = sMask[wg * 4 + warp];  // bit 2j: key 16 warp + j of the unit
+      const int key = lane >> 2;
+      const bool ok0 = (valid >> (2 * key)) & 1, ok1 = (valid >> (2 * key + 16)) & 1;
+      float mx[4];
+#pragma unroll
+      for (int hd = 0; hd < 4; ++hd) {
+        float& a = s[4 * (hd >> 1) + (hd & 1)];
+        float& b = s[4 * (hd >> 1) + 2 + (hd & 1)];
+        a = ok0 ? a * scale_log2 : -INFINITY;
+        b = ok1 ? b * scale_log2 : -INFINITY;
+        mx[hd] = fmaxf(a, b);
+        mx[hd] = fmaxf(mx[hd], __shfl_xor_sync(0xffffffff, mx[hd], 4));
+        mx[hd] = fmaxf(mx[hd], __shfl_xor_sync(0xffffffff, mx[hd], 8));
+        mx[hd] = fmaxf(mx[hd], __shfl_xor_sync(0xffffffff, mx[hd], 16));
+      }
+      float* red = sRed + (wg * 2 + red_par) * 64;  // double-buffered: the next unit's writes
+      red_par ^= 1;                                 // come after its own barrier
+      if (lane < 4) {
+#pragma unroll
+        for (int hd = 0; hd < 4; ++hd) red[warp * 16 + head_of(hd)] = mx[hd];
+      }
+      named_sync(kBarWg0 + wg, 128);
+      float sc[4];
+#pragma unroll
+      for (int hd = 0; hd < 4; ++hd) {
+        const int h = head_of(hd);
+        const float umax = fmaxf(fmaxf(red[h], red[16 + h]), fmaxf(red[32 + h], red[48 + h]));
+        const float m_new = fmaxf(m_run[hd], umax);
+        sc[hd] = exp2f(m_run[hd] - m_new);
+        m_run[hd] = m_new;
+        float& a = s[4 * (hd >> 1) + (hd & 1)];
+        float& b = s[4 * (hd >> 1) + 2 + (hd & 1)];
+        a = exp2f(a - m_new);
+        b = exp2f(b - m_new);
+        l_run[hd] = l_run[hd] * sc[hd] + a + b;
+        // P^T (B operand, K-major: row = head, column = key)
+        const int k0 = 16 * warp + key;
+        *reinterpret_cast<T*>(smem + (sP - base) + sw128_offset(h, k0)) = __float2bfloat16(a);
+        *reinterpret_cast<T*>(smem + (sP - base) + sw128_offset(h, k0 + 8)) = __float2bfloat16(b);
+      }
+      fence_proxy_async();
+      if (__any_sync(0xffffffff, sc[0] != 1.f || sc[1] != 1.f || sc[2] != 1.f || sc[3] != 1.f)) {
+#pragma unroll
+        for (int t = 0; t < 8; ++t)
+#pragma unroll
+          for (int hd = 0; hd < 4; ++hd) {
+            o[8 * t + 4 * (hd >> 1) + (hd & 1)] *= sc[hd];
+            o[8 * t + 4 * (hd >> 1) + 2 + (hd & 1)] *= sc[hd];
+          }
+      }
+      named_sync(kBarWg0 + wg, 128);  // all of P^T is in smem
+      // O^T += V^T P^T, tile t = value columns 64t .. 64t + 63 (chunk t of the buffer)
+      fence_regs<64>(o);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int t = 0; t < 8; ++t)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          gmma_ss<NarrowPV>(desc_at(dV, t * kChunkBytes + ks * 2048), desc_at(dP, ks * 32), o + 8 * t, true,
+                            std::make_index_sequence<8>{});
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs<64>(o);
+      if (lane == 0) {  // the buffer is free: both halves
+        mbar_arrive(bars + (kFills + fill_id(wg, 0)) * 8);
+        mbar_arrive(bars + (kFills + fill_id(wg, 1)) * 8);
+      }
+    }
+
+    // ---- end of the piece: sums over keys, the two warpgroups merged, out / partial
+    float lw[4];
+#pragma unroll
+    for (int hd = 0; hd < 4; ++hd) {
+      lw[hd] = l_run[hd];
+      lw[hd] += __shfl_xor_sync(0xffffffff, lw[hd], 4);
+      lw[hd] += __shfl_xor_sync(0xffffffff, lw[hd], 8);
+      lw[hd] += __shfl_xor_sync(0xffffffff, lw[hd], 16);
+    }
+    if (lane < 4) {
+#pragma unroll
+      for (int hd = 0; hd < 4; ++hd) sSumW[(wg * 4 + warp) * 16 + head_of(hd)] = lw[hd];
+    }
+    if (wg == 1) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) sO[i * 128 + wtid] = o[i];
+      if (warp == 0 && lane < 4) {
+#pragma unroll
+        for (int hd = 0; hd < 4; ++hd) sM1[head_of(hd)] = m_run[hd];
+      }
+    }
+    named_sync(kBarConsumers, kConsumerThreads);
+    const int Pr1 = P_at(r + 1);
+    const bool split = (Pr / U) != ((Pr1 - 1) / U);
+    if (wg == 0) {
+      float f0[4], f1[4], inv[4], lse[4];
+#pragma unroll
+      for (int hd = 0; hd < 4; ++hd) {
+        const int h = head_of(hd);
+        float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) { l0 += sSumW[w * 16 + h]; l1 += sSumW[(4 + w) * 16 + h]; }
+        const float m1 = sM1[h], m = fmaxf(m_run[hd], m1);
+        f0[hd] = exp2f(m_run[hd] - m);
+        f1[hd] = exp2f(m1 - m);
+        const float lt = l0 * f0[hd] + l1 * f1[hd];
+        inv[hd] = lt != 0.f ? 1.f / lt : 0.f;
+        lse[hd] = lt != 0.f ? (m + __log2f(lt)) * kLn2 : -INFINITY;
+      }
+      const int slot = Pr <= u_begin ? 0 : 1;
+#pragma unroll
+      for (int t = 0; t < 8; ++t)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+          for (int hd = 0; hd < 4; ++hd) {
+            const int i = 8 * t + 4 * (hd >> 1) + 2 * hr + (hd & 1);
+            const float v = (o[i] * f0[hd] + sO[i * 128 + wtid] * f1[hd]) * inv[hd];
+            const int col = 64 * t + 16 * warp + (lane >> 2) + 8 * hr, h = head_of(hd);
+            if (!split) {
+              // staged as [head][512] bf16, 16-byte units XOR-swizzled by head % 8
+              *reinterpret_cast<T*>(stage + h * 1024 + ((((col >> 3) ^ (h & 7))) << 4) + (col & 7) * 2) =
+                  __float2bfloat16(v);
+            } else if (h < p.rows) {
+              p.part_out[((int64_t(cta) * 2 + slot) * p.rows + h) * kDv + col] = v;
+            }
+          }
+      if (warp == 0 && lane < 4) {
+#pragma unroll
+        for (int hd = 0; hd < 4; ++hd) {
+          const int h = head_of(hd);
+          if (h >= p.rows) continue;
+          if (!split) p.lse[int64_t(r) * p.rows + h] = lse[hd];
+          else p.part_lse[(int64_t(cta) * 2 + slot) * p.rows + h] = lse[hd];
+        }
+      }
+    }
+    named_sync(kBarConsumers, kConsumerThreads);
+    if (!split) {  // 16-byte coalesced stores of the H rows
+      for (int i = tid; i < p.rows * 64; i += kConsumerThreads) {
+        const int h = i >> 6, unit = i & 63;
+        const uint4 val = *reinterpret_cast<const uint4*>(stage + h * 1024 + ((unit ^ (h & 7)) << 4));
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + h) * kDv + unit * 8) = val;
+      }
+    }
+    u = Pr + pg_end;
+  }
+}
+
 // Tensor map of the paged cache as [num_blocks][64][576] with the cache's own strides (a
 // layer's view of a cross-layer buffer works), 64x64 boxes, 128-byte swizzle.
 
@@ -1512,7 +1819,7 @@ CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
 // Tensor map of the sparse q [B, s_q, H, 576] (bf16) with its own strides, 64-column x
 // 64-head boxes, 128-byte swizzle: a box past H reads zeros. A dimension of size 1 is never
 // stepped over, so its stride only has to be valid (torch may report any value there).
-CUtensorMap make_q_map(const DecodeParams& p) {
+CUtensorMap make_q_map(const DecodeParams& p, int box_rows = kRows) {
   const int64_t sizes[3] = {p.heads, p.group_s_q, p.batch / p.group_s_q};
   const int64_t strides_el[3] = {p.q_stride_h, p.q_stride_s, p.q_stride_b};
   cuuint64_t dims[4] = {cuuint64_t(kDqk), 0, 0, 0};
@@ -1523,7 +1830,7 @@ CUtensorMap make_q_map(const DecodeParams& p) {
     strides[i] = cuuint64_t(sizes[i] == 1 ? packed : strides_el[i]) * 2;
     packed *= sizes[i];
   }
-  const cuuint32_t box[4] = {64, kRows, 1, 1};
+  const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   CUtensorMap map;
   const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(p.q), dims,
@@ -1553,6 +1860,15 @@ void launch_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine = tru
   if (combine) launch_combine<T>(p, stream);
 }
 
+// H <= 16 over a bf16 cache: one 16-row tile per CTA, keys as the MMA's M dimension
+void launch_sparse_narrow(const DecodeParams& p, cudaStream_t stream, bool combine) {
+  MLA_CHECK_CUDA(
+      cudaFuncSetAttribute(sparse_narrow_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kNarrowSmem)));
+  const CUtensorMap q_map = make_q_map(p, kNarrowRows);
+  launch_pdl(sparse_narrow_kernel, dim3(p.num_ctas), dim3(384), kNarrowSmem, stream, p, q_map);
+  if (combine) launch_combine<__nv_bfloat16>(p, stream);
+}
+
 }  // namespace
 
 void launch_decode_wgmma(const DecodeParams& p, bool bf16, bool fp8, cudaStream_t stream) {
@@ -1569,6 +1885,7 @@ void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, bool combine, c
   // fp8_ds_mla with two row tiles (H > 64): the tiles share each unit's conversion (kPaired)
   if (fp8_ds_mla && p.rows > kRows) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, true>(p, stream, combine);
   else if (fp8_ds_mla) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, false>(p, stream, combine);
+  else if (p.rows <= kNarrowRows) launch_sparse_narrow(p, stream, combine);
   else launch_wgmma<__nv_bfloat16, KeySource::kSparse16, false>(p, stream, combine);
 }
 
