@@ -2,7 +2,8 @@
 // its index list names. One kernel serves decode ([B, s_q, H] queries, indices [B, s_q,
 // topk]) and prefill ([T, H] queries = T groups of one token): each (batch entry, query
 // token) is one request of the split-KV plan, its keys the entries of its index list, its
-// rows the H heads, on one or two 64-row tiles of the wgmma kernel (csrc/decode_wgmma.cu).
+// rows the H heads, on one or two 64-row tiles of the wgmma kernel (csrc/decode_wgmma.cu), or,
+// for H <= 16 over a bf16 cache, on the kernel with keys as the MMA's M dimension (same file).
 // Notes: docs/kernels/sparse_decode.md.
 #include "dense_decode_common.cuh"
 #include "ops.h"
