@@ -1564,8 +1564,6 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
   }
   pdl_launch_dependents();
   pdl_wait();  // the plan, q, the indices and the cache are written by earlier kernels
-  auto P_at = [&](int r) { return plan_start<true>(p, r); };
-  auto request_of = [&](int u) { return plan_request_of_unit<true>(p, u); };
   const int cta = blockIdx.x;
   int u_begin, u_end, U;
   if (!cta_units<true>(p, u_begin, u_end, U)) return;
@@ -1576,11 +1574,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
     KeyProducer<T, KeySource::kSparse16> prod{p,    static_cast<const unsigned char*>(p.kv), 0u, bars,
                                               bars + kRings * 8, sMask, wtid >> 1, wtid & 1, warp, lane};
     typename KeyProducer<T, KeySource::kSparse16>::Fill pending;  // the bf16 fills announce themselves
-    int r = request_of(u_begin);
-    for (int u = u_begin; u < u_end;) {
-      while (u >= P_at(r + 1)) ++r;
-      const int Pr = P_at(r);
-      const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;
+    for_each_piece<true>(p, u_begin, u_end, [&](int r, int Pr, int pg_begin, int pg_end) {
       const int* list = sparse_group_indices(p, r);
       const int len = sparse_group_len(p, r);
       auto slot_of = [&](int pg) {
@@ -1591,14 +1585,13 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
       int slot_next = slot_of(pg_begin);
 #pragma unroll 1
       for (int pg = pg_begin; pg < pg_end; ++pg) {
-        const int g = u - u_begin + pg - pg_begin;  // the unit's index in the CTA
+        const int g = Pr + pg - u_begin;  // the unit's index in the CTA
         const int slot = slot_next;
         slot_next = slot_of(pg + 1);  // in flight while this unit's copies are issued
         prod.issue_to(g % kNarrowLeft, left_at(g), g % kNarrowLeft, 0, slot, pending);
         prod.issue_to(kNarrowLeft + (g & 1), right_at(g), g % kNarrowLeft, 1, slot, pending);
       }
-      u = Pr + pg_end;
-    }
+    });
     return;
   }
 
@@ -1627,11 +1620,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
   };
   auto wg0_sync = [&] { named_sync(kBarWg0, 128); };
 
-  int r = request_of(u_begin);
-  for (int u = u_begin; u < u_end;) {
-    while (u >= P_at(r + 1)) ++r;
-    const int Pr = P_at(r);
-    const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;
+  for_each_piece<true>(p, u_begin, u_end, [&](int r, int Pr, int pg_begin, int pg_end) {
     if (tid == 0) {  // the previous piece's last reads of sQ are behind a barrier tid 0 passed
       mbar_expect_tx(q_bar, (kDqk / 64) * L::kQChunk);
 #pragma unroll
@@ -1648,7 +1637,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
     const int n = pg_end - pg_begin;
 #pragma unroll 1
     for (int i = wg; i < n; i += 2) {
-      const int g = u - u_begin + i;
+      const int g = Pr + pg_begin + i - u_begin;
       const int lbit = g % kNarrowLeft, rbit = kNarrowLeft + (g & 1);
       const uint64_t dKL = make_desc(left_at(g), 16, 1024), dKR = make_desc(right_at(g), 16, 1024);
       const uint64_t dVL = make_desc(left_at(g), kChunkBytes, 1024), dVR = make_desc(right_at(g), kChunkBytes, 1024);
@@ -1814,7 +1803,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
     named_sync(kBarConsumers, kConsumerThreads);  // the second half is in sQ; warpgroup 1 goes on
     if (wg == 0) {
       merge(kHalf);
-      const int Pr1 = P_at(r + 1);
+      const int Pr1 = plan_start<true>(p, r + 1);
       const bool split = (Pr / U) != ((Pr1 - 1) / U);
       const int slot = Pr <= u_begin ? 0 : 1;
       auto col_of = [&](int i) { return 64 * (i / kAcc) + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1); };
@@ -1854,8 +1843,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
       fence_proxy_async();  // sQ: generic accesses here, the next piece's Q by TMA (tid 0)
       wg0_sync();
     }
-    u = Pr + pg_end;
-  }
+  });
 }
 
 // Tensor map of the paged cache as [num_blocks][64][576] with the cache's own strides (a

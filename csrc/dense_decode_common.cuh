@@ -206,6 +206,20 @@ __device__ __forceinline__ int plan_request_of_unit(const DecodeParams& p, int u
   return kMaybeUniform && p.uniform_units > 0 ? u / p.uniform_units : request_of_unit(p.meta, p.batch, u);
 }
 
+// The request pieces of units [u_begin, u_end) in order: fn(r, Pr, pg_begin, pg_end) with Pr =
+// P[r] and the piece's units of request r at [pg_begin, pg_end) (counted from Pr).
+template <bool kMaybeUniform, typename Fn>
+__device__ __forceinline__ void for_each_piece(const DecodeParams& p, int u_begin, int u_end, Fn&& fn) {
+  int r = plan_request_of_unit<kMaybeUniform>(p, u_begin);
+  for (int u = u_begin; u < u_end;) {
+    while (u >= plan_start<kMaybeUniform>(p, r + 1)) ++r;
+    const int Pr = plan_start<kMaybeUniform>(p, r);
+    const int pg_begin = u - Pr, pg_end = min(u_end, plan_start<kMaybeUniform>(p, r + 1)) - Pr;
+    fn(r, Pr, pg_begin, pg_end);
+    u = Pr + pg_end;
+  }
+}
+
 // Merge the partials of requests that span CTAs; zero out requests with no keys.
 // One 128-thread block per (row, request): warp g takes splits c = first + g (mod 4), each
 // lane 16 columns (4 float4 per split), so 16 loads per lane are in flight; the warps'
