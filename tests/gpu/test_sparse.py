@@ -344,13 +344,16 @@ def test_dense_equivalent_matches_mla_decode():
     assert rel_l2(got, dense) < 4e-3 and torch.allclose(lse, dense_lse, atol=1e-3)
 
 
-@pytest.mark.parametrize("heads", [64, 128])  # 128: the paired (2-CTA cluster) launch
-def test_cuda_graph_with_workspace(heads):
+# fp8_ds_mla 128: the paired (2-CTA cluster) launch; bf16 16: the kernel with keys as the
+# MMA's M dimension; bf16 128: the co-placed seesaw
+@pytest.mark.parametrize("fmt, heads", [("fp8_ds_mla", 64), ("fp8_ds_mla", 128), ("bf16", 16),
+                                        ("bf16", 128)])
+def test_cuda_graph_with_workspace(fmt, heads):
     """Plan + attention captured once over workspace buffers, replayed on new q, indices and
     lengths of two batch sizes in turn."""
     topk, num_blocks = 256, 20
     ws = ops.sparse_workspace(16, heads, device="cuda")
-    cache = _cache(num_blocks, torch.ones(num_blocks, PAGE, dtype=torch.bool), "fp8_ds_mla",
+    cache = _cache(num_blocks, torch.ones(num_blocks, PAGE, dtype=torch.bool), fmt,
                    _gen()).cuda()
     graphs = {}
     for batch in (4, 16):
