@@ -1619,6 +1619,32 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
     if (lane == 0) mbar_arrive(bars + (kRings + bit) * 8);
   };
   auto wg0_sync = [&] { named_sync(kBarWg0, 128); };
+  // S^T over chunks [c0, c1) of the unit whose chunk 0 descriptor is dK, one commit group
+  // (chunk bounds compile-time: the loops unroll into one straight wgmma sequence)
+  auto s_chunks = [&](uint64_t dK, auto c0_, auto c1_) {
+    constexpr int c0 = decltype(c0_)::value, c1 = decltype(c1_)::value;
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int c = c0; c < c1; ++c)
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        gmma_ss<QK>(desc_at(dK, c * kChunkBytes + k * 32), desc_at(dQ, c * L::kQChunk + k * 32), s,
+                    c != 0 || k != 0, std::make_index_sequence<kAcc>{});
+    cute::warpgroup_commit_batch();
+  };
+  // O^T tiles [t0, t0 + 4) += V^T P^T (tile t: value columns 64t .. 64t + 63, chunk t of the
+  // unit whose chunk 0 descriptor is dV), one commit group
+  auto pv_tiles = [&](uint64_t dV, auto t0_) {
+    constexpr int t0 = decltype(t0_)::value;
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int t = t0; t < t0 + 4; ++t)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        gmma_ss<PV>(desc_at(dV, t * kChunkBytes + ks * 2048), desc_at(dP, ks * 32), o + kAcc * t, true,
+                    std::make_index_sequence<kAcc>{});
+    cute::warpgroup_commit_batch();
+  };
 
   for_each_piece<true>(p, u_begin, u_end, [&](int r, int Pr, int pg_begin, int pg_end) {
     if (tid == 0) {  // the previous piece's last reads of sQ are behind a barrier tid 0 passed
@@ -1643,23 +1669,9 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
       const uint64_t dVL = make_desc(left_at(g), kChunkBytes, 1024), dVR = make_desc(right_at(g), kChunkBytes, 1024);
       // S^T = K Q^T, the left half's chunks as soon as they land
       wait_full(lbit, g / kNarrowLeft);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          gmma_ss<QK>(desc_at(dKL, c * kChunkBytes + k * 32), desc_at(dQ, c * L::kQChunk + k * 32), s,
-                      c != 0 || k != 0, std::make_index_sequence<kAcc>{});
-      cute::warpgroup_commit_batch();
+      s_chunks(dKL, std::integral_constant<int, 0>{}, std::integral_constant<int, 4>{});
       wait_full(rbit, g >> 1);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int c = 4; c < 9; ++c)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          gmma_ss<QK>(desc_at(dKR, c * kChunkBytes + k * 32), desc_at(dQ, c * L::kQChunk + k * 32), s, true,
-                      std::make_index_sequence<kAcc>{});
-      cute::warpgroup_commit_batch();
+      s_chunks(dKR, std::integral_constant<int, 4>{}, std::integral_constant<int, 9>{});
       cute::warpgroup_wait<0>();
       fence_regs<kAcc>(s);
 
@@ -1722,21 +1734,8 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
       // O^T += V^T P^T, tile t = value columns 64t .. 64t + 63 (chunk t of the unit), the left
       // half's tiles first: that half is released as they retire
       fence_regs<8 * kAcc>(o);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-          gmma_ss<PV>(desc_at(dVL, t * kChunkBytes + ks * 2048), desc_at(dP, ks * 32), o + kAcc * t, true,
-                      std::make_index_sequence<kAcc>{});
-      cute::warpgroup_commit_batch();
-#pragma unroll
-      for (int t = 4; t < 8; ++t)
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-          gmma_ss<PV>(desc_at(dVR, t * kChunkBytes + ks * 2048), desc_at(dP, ks * 32), o + kAcc * t, true,
-                      std::make_index_sequence<kAcc>{});
-      cute::warpgroup_commit_batch();
+      pv_tiles(dVL, std::integral_constant<int, 0>{});
+      pv_tiles(dVR, std::integral_constant<int, 4>{});
       cute::warpgroup_wait<1>();
       release(lbit);
       cute::warpgroup_wait<0>();
