@@ -1,0 +1,117 @@
+"""Where the sparse prefill's time goes, ours against FlashMLA (docs/kernels/sparse_decode.md,
+"Where the H >= 64 prefill loses"). Two measurements, GPU machine, vLLM kit for the peer:
+
+    python3 scripts/prefill_costs.py fit        # time against topk, fitted per SM
+    python3 scripts/prefill_costs.py sustained  # a 4 s loop per kernel, nvidia-smi sampled
+
+fit: tokens = 1056 (8 whole tokens per SM at H = 64, 16 at H = 128 on 132 SMs), topk 512 to
+2048, 8k keys; a straight line through time(topk) gives the cost of a 64-key unit and of a
+piece (one token's setup, epilogue and pipeline refill) per SM.
+sustained: each kernel in a loop for 4 s (the power cap and the clock settle), with
+nvidia-smi sampling clock and power every 100 ms: cycles and energy per call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common, sparse  # noqa: E402
+
+KERNELS = (("ours", sparse.build_ours), ("flashmla", sparse.build_flashmla))
+
+
+def fit(tokens: int = 1056, s_kv: int = 8192) -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for H in (64, 128):
+        pts: dict[str, list[tuple[int, float]]] = {}
+        for topk in (512, 1024, 1536, 2048):
+            c = sparse.make_prefill_case(H, tokens, topk, s_kv, seed=3)
+            for name, build in KERNELS:
+                try:
+                    k = build(c)
+                except Exception as e:  # noqa: BLE001 - the peer is optional (vLLM kit)
+                    print(f"{name}: not run ({e})")
+                    continue
+                us = common.time_graph(k.step, c.nsets, budget_ms=40).us
+                pts.setdefault(name, []).append((topk, us))
+                print(f"H={H} topk={topk} {name} {us:.1f} us", flush=True)
+            del c
+            torch.cuda.empty_cache()
+        pieces = tokens * (1 if H <= 64 else 2) / sms  # per SM
+        for name, p in pts.items():
+            mx = sum(x for x, _ in p) / len(p)
+            my = sum(y for _, y in p) / len(p)
+            slope = sum((x - mx) * (y - my) for x, y in p) / sum((x - mx) ** 2 for x, _ in p)
+            icpt = my - slope * mx
+            res = [round(y - icpt - slope * x, 1) for x, y in p]
+            print(f"FIT H={H} {name}: {slope * 64 / pieces:.3f} us per 64-key unit, "
+                  f"{icpt / pieces:.2f} us per piece (per SM; residuals {res} us)", flush=True)
+
+
+def sustained(tokens: int = 4096, s_kv: int = 8192, seconds: float = 4.0) -> None:
+    smi = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader",
+         "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    phases = []
+    for H in (64, 128):
+        c = sparse.make_prefill_case(H, tokens, 2048, s_kv, seed=1)
+        for name, build in KERNELS:
+            try:
+                k = build(c)
+            except Exception as e:  # noqa: BLE001 - the peer is optional (vLLM kit)
+                print(f"{name}: not run ({e})")
+                continue
+            k.step(0)
+            torch.cuda.synchronize()
+            time.sleep(1.5)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0, n = time.time(), 0
+            e0.record()
+            while time.time() - t0 < seconds:
+                for _ in range(10):
+                    k.step(n % c.nsets)
+                    n += 1
+                torch.cuda.synchronize()
+            e1.record()
+            torch.cuda.synchronize()
+            phases.append((f"{name} H={H}", t0 + 1.0, time.time(), e0.elapsed_time(e1) * 1e3 / n))
+        del c
+        torch.cuda.empty_cache()
+    smi.terminate()
+    samples = []
+    for line in smi.communicate()[0].splitlines():
+        stamp, clk, watt = (f.strip() for f in line.split(","))
+        t = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").astimezone().timestamp()
+        samples.append((t, float(clk.split()[0]), float(watt.split()[0])))
+    for name, a, b, us in phases:
+        sel = [(c, w) for t, c, w in samples if a <= t <= b]
+        if not sel:
+            print(f"{name}: {us:.1f} us per call, no clock samples")
+            continue
+        clk = sum(c for c, _ in sel) / len(sel)
+        watt = sum(w for _, w in sel) / len(sel)
+        print(f"{name:16s} {us:8.1f} us per call  {clk:6.0f} MHz  {watt:5.0f} W  "
+              f"{us * clk / 1e6:6.2f} Mcycles per call  {watt * us / 1e3:7.1f} mJ per call")
+
+
+def main() -> int:
+    what = sys.argv[1] if len(sys.argv) > 1 else "fit"
+    if what == "fit":
+        fit()
+    elif what == "sustained":
+        sustained()
+    else:
+        raise SystemExit(f"usage: prefill_costs.py fit|sustained; got {what!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
