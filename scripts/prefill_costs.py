@@ -28,18 +28,22 @@ from bench import common, sparse  # noqa: E402
 KERNELS = (("ours", sparse.build_ours), ("flashmla", sparse.build_flashmla))
 
 
+def kernels(c: sparse.Case):
+    """(name, Kernel) for each kernel that builds on this case (the peer needs the vLLM kit)."""
+    for name, build in KERNELS:
+        try:
+            yield name, build(c)
+        except Exception as e:  # noqa: BLE001 - the peer is optional
+            print(f"{name}: not run ({e})")
+
+
 def fit(tokens: int = 1056, s_kv: int = 8192) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for H in (64, 128):
         pts: dict[str, list[tuple[int, float]]] = {}
         for topk in (512, 1024, 1536, 2048):
             c = sparse.make_prefill_case(H, tokens, topk, s_kv, seed=3)
-            for name, build in KERNELS:
-                try:
-                    k = build(c)
-                except Exception as e:  # noqa: BLE001 - the peer is optional (vLLM kit)
-                    print(f"{name}: not run ({e})")
-                    continue
+            for name, k in kernels(c):
                 us = common.time_graph(k.step, c.nsets, budget_ms=40).us
                 pts.setdefault(name, []).append((topk, us))
                 print(f"H={H} topk={topk} {name} {us:.1f} us", flush=True)
@@ -63,12 +67,7 @@ def sustained(tokens: int = 4096, s_kv: int = 8192, seconds: float = 4.0) -> Non
     phases = []
     for H in (64, 128):
         c = sparse.make_prefill_case(H, tokens, 2048, s_kv, seed=1)
-        for name, build in KERNELS:
-            try:
-                k = build(c)
-            except Exception as e:  # noqa: BLE001 - the peer is optional (vLLM kit)
-                print(f"{name}: not run ({e})")
-                continue
+        for name, k in kernels(c):
             k.step(0)
             torch.cuda.synchronize()
             time.sleep(1.5)

@@ -94,7 +94,10 @@ def main() -> int:
     job = sys.argv[1] if len(sys.argv) > 1 else "decode"
     if job not in ("decode", "prefill"):
         raise SystemExit(f"usage: timeline_sparse.py [decode|prefill]; got {job!r}")
-    decode_rows() if job == "decode" else prefill_rows()
+    if job == "decode":
+        decode_rows()
+    else:
+        prefill_rows()
     return 0
 
 
