@@ -43,6 +43,9 @@ def report(plan, H: int, label: str) -> None:
     t = plan.partial_out.view(-1).view(torch.int64)[:ctas * 64].view(ctas, 64).cpu()
     used = t[:, 0] > 0
     t = t[used & (t[:, 58] > 0)]
+    if t.shape[0] == 0:
+        raise SystemExit("no timeline stamps: run on a build with -DMLA_TIMELINE "
+                         "(MLA_BACKEND_EXTENSION=.../_C.abi3.so)")
     rel = (t - t[:, :1]).double() / 1e3
     start = (t[:, 0] - t[:, 0].min()).double() / 1e3
     end = sorted(((t[:, 58] - t[:, 0].min()).double() / 1e3).tolist())
