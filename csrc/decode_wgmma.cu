@@ -332,36 +332,47 @@ struct KeyProducer {
     int b = -1, h = 0;
   };
 
-  // Copies 16-byte units [0, kUnits) at byte src_off of each of the warp's 16 entry rows to
-  // dst_of(entry, unit). 8 lanes share an entry, each taking every 8th unit, so one copy
-  // instruction reads whole 128-byte lines of 4 entries (one whose 32 lanes read 32
+  // bf16 source: copies 16-byte units [0, kUnits) at byte src_off of each of the warp's 16
+  // entry rows to dst_of(entry, unit). 8 lanes share an entry, each taking every 8th unit, so
+  // one copy instruction reads whole 128-byte lines of 4 entries (one whose 32 lanes read 32
   // different lines costs L1 and L2 a request per line, 8x more). Each entry's row offset
-  // (bytes from kv, -1: none) comes from its owner threads (entry e: lanes 2e, 2e + 1 of the
-  // warp) by shuffle, computed there once per fill: done per lane and entry, the address math
-  // and its stride reloads (the 56-register producer cannot keep the strides) lengthened each
-  // fill's issue, which the consumers wait on (docs/kernels/sparse_decode.md, v9).
+  // comes from its owner threads (entry e: lanes 2e, 2e + 1 of the warp) by shuffle, computed
+  // there once per fill (done per lane and entry, the address math and its stride reloads
+  // lengthened each fill's issue, v9), and all of it before the fill's empty wait
+  // (gather_rows): after the release only the copies are left, which the consumers' next S
+  // waits on (docs/kernels/sparse_decode.md, v42).
+  struct RowOffs {
+    uint32_t v[4];   // entry 4 j + lane / 8's row offset from kv in 16-byte units (0: none)
+    uint32_t valid;  // the warp's ballot: bit 2 e set when entry e has a row
+  };
+  __device__ __forceinline__ RowOffs gather_rows(int slot) const {
+    // 32 bits of 16-byte units: ops checks that the cache spans under 64 GiB
+    const uint32_t row16 = slot >= 0 ? uint32_t((token_row(slot) - kv) >> 4) : 0u;
+    uint32_t ln;  // re-read, not hoisted: lane-derived values kept live would spill the producer
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(ln));
+    RowOffs r;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r.v[j] = __shfl_sync(0xffffffff, row16, 2 * (j * 4 + ln / 8));
+    r.valid = __ballot_sync(0xffffffff, slot >= 0);
+    return r;
+  }
   template <int kUnits, typename DstOf>
-  __device__ __forceinline__ void copy_rows(int64_t row_off, int src_off, DstOf dst_of) const {
+  __device__ __forceinline__ void copy_rows(const RowOffs& r, int src_off, DstOf dst_of) const {
     static_assert(kUnits % 8 == 0, "whole 128-byte lines");
-    constexpr int kLanes = 8, kPerCopy = 32 / kLanes;
-    // re-read, not hoisted: lane-derived offsets kept live across the producer loop would
-    // spill its 56 registers
     uint32_t ln;
     asm volatile("mov.u32 %0, %%laneid;" : "=r"(ln));
+    // every copy of an entry at an immediate offset from one base; a copy of no entry reads
+    // nothing at kv (a per-copy `ok ? 16 u : 0` cost 13.5 instructions per copy where ~3 do, v25)
+    const unsigned char* base = kv + src_off + (ln % 8) * 16;
+    const uint32_t mine = r.valid >> (2 * (ln / 8));  // bit 8 j: entry 4 j + ln / 8
 #pragma unroll
-    for (int j = 0; j < 16 / kPerCopy; ++j) {
-      const int e = j * kPerCopy + ln / kLanes;
-      const int64_t off = __shfl_sync(0xffffffff, row_off, 2 * e);
-      // one base per entry and lane, every copy at an immediate offset from it: a zero-filled
-      // copy (no entry) reads nothing and its address stays in the cache's first row. (A
-      // per-copy `ok ? 16 u : 0` cost a 64-bit select and add per copy: 13.5 instructions per
-      // copy where ~3 do, on the refill path; docs/kernels/sparse_decode.md, v25.)
-      const bool ok = off >= 0;
-      const unsigned char* row = kv + (ok ? off : 0) + src_off + (ln % kLanes) * 16;
-      const int nbytes = ok ? 16 : 0;
+    for (int j = 0; j < 4; ++j) {
+      const int e = j * 4 + ln / 8;
+      const unsigned char* row = base + (uint64_t(r.v[j]) << 4);
+      const int nbytes = (mine >> (8 * j)) & 1 ? 16 : 0;
 #pragma unroll
-      for (int k = 0; k < kUnits / kLanes; ++k) {
-        cp_async_16s(dst_of(16 * warp + e, ln % kLanes + kLanes * k), row + kLanes * 16 * k, nbytes);
+      for (int k = 0; k < kUnits / 8; ++k) {
+        cp_async_16s(dst_of(16 * warp + e, ln % 8 + 8 * k), row + 8 * 16 * k, nbytes);
       }
     }
   }
@@ -375,6 +386,8 @@ struct KeyProducer {
   // the half's chunks are written), mask words masks[4 b ..] (fp8: finish() converts in
   // kbuf(b)). The sparse kernel for H <= 16 keeps the halves in rings of their own.
   __device__ __forceinline__ Fill issue_to(int bit, uint32_t dst, int b, int h, int slot, Fill& pending) {
+    RowOffs roffs{};
+    if constexpr (kSrc == KeySource::kSparse16) roffs = gather_rows(slot);
     if ((used >> bit) & 1) {
       const uint32_t bar = bars_empty + bit * 8;
       const uint32_t ph = (empty_phase >> bit) & 1;
@@ -390,25 +403,24 @@ struct KeyProducer {
     }
     used |= 1u << bit;
     if constexpr (kSrc != KeySource::kPagedFp8) {  // dense masks by position (seq_len, causal)
-      const uint32_t valid = __ballot_sync(0xffffffff, slot >= 0);
+      const uint32_t valid = roffs.valid;
       if (lane == 0) masks[b * 4 + warp] = valid;
     }
-    const bool ok = slot >= 0;
-    const unsigned char* row = ok ? token_row(slot) : kv;
-    const int64_t row_off = ok ? row - kv : -1;
-    const int nbytes = ok ? 16 : 0;
     Fill f;
     f.b = b; f.h = h;
     const bool rope_here = h == 1;
     if constexpr (kSrc == KeySource::kSparse16) {
       // 16-byte units [0, 32) (h = 0), [32, 64) (h = 1) and the rope's [64, 72)
-      copy_rows<32>(row_off, 512 * h, [&](int e, int u) { return dst + sw128_offset(e, (32 * h + u) * 8); });
-      if (rope_here) copy_rows<8>(row_off, 1024, [&](int e, int u) { return dst + sw128_offset(e, (64 + u) * 8); });
+      copy_rows<32>(roffs, 512 * h, [&](int e, int u) { return dst + sw128_offset(e, (32 * h + u) * 8); });
+      if (rope_here) copy_rows<8>(roffs, 1024, [&](int e, int u) { return dst + sw128_offset(e, (64 + u) * 8); });
     } else {
       // 128 e4m3 values staged raw: units 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at
       // this entry's 128-byte row (see finish). Each thread copies what it converts:
       // copy_rows' whole-line copies were measured slower here (docs/kernels/sparse_decode.md,
       // v4).
+      const bool ok = slot >= 0;
+      const unsigned char* row = ok ? token_row(slot) : kv;
+      const int nbytes = ok ? 16 : 0;
       int e, pt;
       fresh_ids(e, pt);
 #pragma unroll

@@ -596,6 +596,13 @@ def _check_sparse_kv(kv: torch.Tensor, name: str, allow_flat: bool) -> None:
     _require(kv.stride(-1) == 1 and kv.data_ptr() % 16 == 0
              and all((kv.stride(i) * item) % 16 == 0 for i in range(kv.dim() - 1)), name, kv,
              "must be 16-byte aligned with a contiguous last dim and 16-byte aligned strides")
+    if kv.dtype == torch.bfloat16:
+        # the bf16 producer addresses a row by a 32-bit offset in 16-byte units
+        dims = zip(kv.shape[:-1], kv.stride()[:-1], strict=True)
+        last_row = sum((n - 1) * st for n, st in dims) * item
+        _require(last_row < 1 << 36, name, kv,
+                 "must have its rows within 64 GiB of its first (the bf16 kernels address "
+                 "rows by 32-bit offsets of 16 bytes); split the cache")
 
 
 def _check_sparse_inputs(q, kv_cache, indices, *, allow_flat: bool,

@@ -9,6 +9,12 @@ fit: tokens = 1056 (8 whole tokens per SM at H = 64, 16 at H = 128 on 132 SMs), 
 piece (one token's setup, epilogue and pipeline refill) per SM.
 sustained: each kernel in a loop for 4 s (the power cap and the clock settle), with
 nvidia-smi sampling clock and power every 100 ms: cycles and energy per call.
+
+    python3 scripts/prefill_costs.py builds A/_C.abi3.so B/_C.abi3.so [--rounds 2]
+
+builds: ours alone, `sustained` once per build and round, each in a process of its own
+(MLA_BACKEND_EXTENSION), H = 16 / 64 / 128; a table of Mcycles per call last. At the power
+cap, cycles per call vary ~1% between runs where the 40 ms bench rows vary up to 13%.
 """
 
 from __future__ import annotations
@@ -60,14 +66,17 @@ def fit(tokens: int = 1056, s_kv: int = 8192) -> None:
                   f"{icpt / pieces:.2f} us per piece (per SM; residuals {res} us)", flush=True)
 
 
-def sustained(tokens: int = 4096, s_kv: int = 8192, seconds: float = 4.0) -> None:
+def sustained(tokens: int = 4096, s_kv: int = 8192, seconds: float = 4.0,
+              heads: tuple[int, ...] = (64, 128), only: str | None = None) -> None:
     smi = subprocess.Popen(
         ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader",
          "-lms", "100"], stdout=subprocess.PIPE, text=True)
     phases = []
-    for H in (64, 128):
+    for H in heads:
         c = sparse.make_prefill_case(H, tokens, 2048, s_kv, seed=1)
         for name, k in kernels(c):
+            if only is not None and name != only:
+                continue
             k.step(0)
             torch.cuda.synchronize()
             time.sleep(1.5)
@@ -98,7 +107,32 @@ def sustained(tokens: int = 4096, s_kv: int = 8192, seconds: float = 4.0) -> Non
         clk = sum(c for c, _ in sel) / len(sel)
         watt = sum(w for _, w in sel) / len(sel)
         print(f"{name:16s} {us:8.1f} us per call  {clk:6.0f} MHz  {watt:5.0f} W  "
-              f"{us * clk / 1e6:6.2f} Mcycles per call  {watt * us / 1e3:7.1f} mJ per call")
+              f"{us * clk / 1e6:7.3f} Mcycles per call  {watt * us / 1e3:7.1f} mJ per call")
+
+
+BUILD_HEADS = (16, 64, 128)
+
+
+def builds(sos: list[str], rounds: int) -> None:
+    """`sustained` for ours, per build and round in a process of its own; Mcycles per call."""
+    import os
+
+    table: dict[tuple[str, int], list[float]] = {}
+    for rnd in range(rounds):
+        for so in sos:
+            env = dict(os.environ, MLA_BACKEND_EXTENSION=so)
+            out = subprocess.run([sys.executable, __file__, "sustained-ours"], env=env,
+                                 capture_output=True, text=True, check=False)
+            print(f"== round {rnd} {so}\n{out.stdout}{out.stderr[-2000:]}", flush=True)
+            for line in out.stdout.splitlines():
+                f = line.split()
+                if len(f) > 10 and f[0] == "ours" and f[1].startswith("H="):
+                    table.setdefault((so, int(f[1][2:])), []).append(float(f[10]))
+    print("Mcycles per call (4096 tokens, topk 2048, 8k; one value per round)")
+    for H in BUILD_HEADS:
+        for so in sos:
+            vals = table.get((so, H), [])
+            print(f"H={H:<4d} {so:50s} " + " ".join(f"{v:6.3f}" for v in vals))
 
 
 def main() -> int:
@@ -107,8 +141,20 @@ def main() -> int:
         fit()
     elif what == "sustained":
         sustained()
+    elif what == "sustained-ours":
+        sustained(heads=BUILD_HEADS, only="ours")
+    elif what == "builds":
+        args = sys.argv[2:]
+        rounds = 2
+        if "--rounds" in args:
+            i = args.index("--rounds")
+            rounds = int(args[i + 1])
+            del args[i:i + 2]
+        if not args:
+            raise SystemExit("usage: prefill_costs.py builds SO [SO ...] [--rounds N]")
+        builds(args, rounds)
     else:
-        raise SystemExit(f"usage: prefill_costs.py fit|sustained; got {what!r}")
+        raise SystemExit(f"usage: prefill_costs.py fit|sustained|builds; got {what!r}")
     return 0
 
 

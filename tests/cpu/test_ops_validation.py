@@ -153,6 +153,8 @@ SPARSE_CASES = [
     ("kv_cache", lambda a: torch.zeros(4, 64, 576, dtype=torch.uint8), ValueError, r"kv_cache must be \[num_blocks, 64, 656\] for dtype torch.uint8; got shape \(4, 64, 576\)"),
     ("kv_cache", lambda a: torch.zeros(256, 576).bfloat16(), ValueError, r"kv_cache must be \[num_blocks, 64, 576\] for"),
     ("kv_cache", lambda a: torch.zeros(4, 64, 580).bfloat16()[..., 4:], ValueError, "16-byte aligned"),
+    ("kv_cache", lambda a: torch.empty(1 << 20, 64, 576, dtype=torch.bfloat16, device="meta"), ValueError,
+     r"kv_cache must have its rows within 64 GiB of its first .*shape \(1048576, 64, 576\)"),
     ("indices", lambda a: a["indices"].long(), ValueError, r"indices must be int32 \[batch=2, s_q=1, topk <= 16384\]"),
     ("indices", lambda a: torch.zeros(2, 1, 16385, dtype=torch.int32), ValueError, r"topk <= 16384.*16385"),
     ("indices", lambda a: torch.zeros(2, 2, 64, dtype=torch.int32), ValueError, r"indices .*shape \(2, 2, 64\)"),
