@@ -1282,6 +1282,12 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       fence_regs<32>(s);
     }
 
+    // The max handshake (kBarMax0, kBarMax1) carries only what the other warpgroup needs: each
+    // warpgroup announces its max as soon as it is published, and warpgroup 1 takes its row
+    // maxima before it waits. Each wait sat on the chain that ends in K0 right's refill
+    // (prefill H = 128 -6% in cycles, docs/kernels/sparse_decode.md, v44). The dense sources
+    // keep the old order until it is measured there.
+    constexpr bool kEarlyMax = kSparse;
     for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
       if (wtid == 0 && wg == 0) {
         const int k = 8 + (u - u_begin + pa_ - pg_begin) / 2;
@@ -1300,13 +1306,14 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         float rmax[2], m_new[2], scale0[2], rsum[2];
         mask_and_max(pa_ * kKeys, seq_len, rmax, 0);
         update_max(rmax, m_new, scale0, sScale0);
+        if constexpr (kEarlyMax) named_arrive(kBarMax0, 256);
         exponentiate(m_new, rsum);
         scale_o(scale0);
         l_run[0] = l_run[0] * scale0[0] + rsum[0];
         l_run[1] = l_run[1] * scale0[1] + rsum[1];
         const int n_valid = pa_ < p.max_blocks ? min(kKeys, seq_len - pa_ * kKeys) : 0;
         zero_tail(0, n_valid);
-        named_arrive(kBarMax0, 256);
+        if constexpr (!kEarlyMax) named_arrive(kBarMax0, 256);
         uint32_t pfrag[4][4];
         const float one[2] = {1.f, 1.f};
         pack_p(pfrag, one);
@@ -1345,15 +1352,17 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         fence_regs<128>(o);
         fence_regs<32>(s);
       } else {
-        named_sync(kBarMax0, 256);
         float rmax[2], m_new[2], scale1[2], rsum[2] = {0.f, 0.f};
+        if (kEarlyMax && has_b) mask_and_max(pb * kKeys, seq_len, rmax, 1);  // needs nothing of warpgroup 0's
+        named_sync(kBarMax0, 256);
         const float scale0[2] = {sScale0[wrow], sScale0[wrow + 8]};
         if (has_b) {
-          mask_and_max(pb * kKeys, seq_len, rmax, 1);
+          if (!kEarlyMax) mask_and_max(pb * kKeys, seq_len, rmax, 1);
         } else {
           rmax[0] = rmax[1] = -INFINITY;
         }
         update_max(rmax, m_new, scale1, sScale1);  // on top of warpgroup 0's new max
+        if constexpr (kEarlyMax) named_arrive(kBarMax1, 256);
         const float both[2] = {scale0[0] * scale1[0], scale0[1] * scale1[1]};
         scale_o(both);
         uint32_t pfrag[4][4];
@@ -1364,7 +1373,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         }
         l_run[0] = l_run[0] * both[0] + rsum[0];
         l_run[1] = l_run[1] * both[1] + rsum[1];
-        named_arrive(kBarMax1, 256);
+        if constexpr (!kEarlyMax) named_arrive(kBarMax1, 256);
         if (has_b) {
           const float one[2] = {1.f, 1.f};
           pack_p(pfrag, one);
