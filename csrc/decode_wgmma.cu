@@ -1364,21 +1364,29 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         update_max(rmax, m_new, scale1, sScale1);  // on top of warpgroup 0's new max
         if constexpr (kEarlyMax) named_arrive(kBarMax1, 256);
         const float both[2] = {scale0[0] * scale1[0], scale0[1] * scale1[1]};
-        scale_o(both);
+        // sparse: P1 is stored and signalled before this warpgroup scales its O (warpgroup 0's
+        // PV with P1 releases K1's left half when it retires; v45)
+        constexpr bool kP1First = kSparse;
         uint32_t pfrag[4][4];
-        if (has_b) {
-          exponentiate(m_new, rsum);
-          const int n_valid = pb < p.max_blocks ? min(kKeys, seq_len - pb * kKeys) : 0;
-          zero_tail(1, n_valid);
-        }
-        l_run[0] = l_run[0] * both[0] + rsum[0];
-        l_run[1] = l_run[1] * both[1] + rsum[1];
-        if constexpr (!kEarlyMax) named_arrive(kBarMax1, 256);
-        if (has_b) {
+        auto publish_p1 = [&] {
           const float one[2] = {1.f, 1.f};
           pack_p(pfrag, one);
           store_p(sP1, pfrag);
           named_arrive(kBarP1, 256);
+        };
+        if (!kP1First) scale_o(both);
+        if (has_b) {
+          exponentiate(m_new, rsum);
+          const int n_valid = pb < p.max_blocks ? min(kKeys, seq_len - pb * kKeys) : 0;
+          zero_tail(1, n_valid);
+          if (kP1First) publish_p1();
+        }
+        if (kP1First) scale_o(both);
+        l_run[0] = l_run[0] * both[0] + rsum[0];
+        l_run[1] = l_run[1] * both[1] + rsum[1];
+        if constexpr (!kEarlyMax) named_arrive(kBarMax1, 256);
+        if (has_b) {
+          if (!kP1First) publish_p1();
           fence_regs<128>(o);
           issue_pv_rs(pfrag, 1);
         }
