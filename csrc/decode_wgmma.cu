@@ -402,9 +402,8 @@ struct KeyProducer {
       empty_phase ^= 1u << bit;
     }
     used |= 1u << bit;
-    if constexpr (kSrc != KeySource::kPagedFp8) {  // dense masks by position (seq_len, causal)
-      const uint32_t valid = roffs.valid;
-      if (lane == 0) masks[b * 4 + warp] = valid;
+    if constexpr (kSrc == KeySource::kSparse16) {  // dense fp8 masks by position (seq_len, causal)
+      if (lane == 0) masks[b * 4 + warp] = roffs.valid;
     }
     Fill f;
     f.b = b; f.h = h;

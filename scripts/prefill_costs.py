@@ -20,6 +20,8 @@ cap, cycles per call vary ~1% between runs where the 40 ms bench rows vary up to
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import subprocess
 import sys
 import time
@@ -67,7 +69,8 @@ def fit(tokens: int = 1056, s_kv: int = 8192) -> None:
 
 
 def sustained(tokens: int = 4096, s_kv: int = 8192, seconds: float = 4.0,
-              heads: tuple[int, ...] = (64, 128), only: str | None = None) -> None:
+              heads: tuple[int, ...] = (64, 128), only: str | None = None) -> list[dict]:
+    """Prints one line per kernel and H; returns them as dicts (name, H, us, MHz, W, Mcycles)."""
     smi = subprocess.Popen(
         ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader",
          "-lms", "100"], stdout=subprocess.PIPE, text=True)
@@ -90,7 +93,7 @@ def sustained(tokens: int = 4096, s_kv: int = 8192, seconds: float = 4.0,
                 torch.cuda.synchronize()
             e1.record()
             torch.cuda.synchronize()
-            phases.append((f"{name} H={H}", t0 + 1.0, time.time(), e0.elapsed_time(e1) * 1e3 / n))
+            phases.append((name, H, t0 + 1.0, time.time(), e0.elapsed_time(e1) * 1e3 / n))
         del c
         torch.cuda.empty_cache()
     smi.terminate()
@@ -99,24 +102,28 @@ def sustained(tokens: int = 4096, s_kv: int = 8192, seconds: float = 4.0,
         stamp, clk, watt = (f.strip() for f in line.split(","))
         t = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").astimezone().timestamp()
         samples.append((t, float(clk.split()[0]), float(watt.split()[0])))
-    for name, a, b, us in phases:
+    rows = []
+    for name, H, a, b, us in phases:
+        label = f"{name} H={H}"
         sel = [(c, w) for t, c, w in samples if a <= t <= b]
         if not sel:
-            print(f"{name}: {us:.1f} us per call, no clock samples")
+            print(f"{label}: {us:.1f} us per call, no clock samples")
             continue
         clk = sum(c for c, _ in sel) / len(sel)
         watt = sum(w for _, w in sel) / len(sel)
-        print(f"{name:16s} {us:8.1f} us per call  {clk:6.0f} MHz  {watt:5.0f} W  "
+        print(f"{label:16s} {us:8.1f} us per call  {clk:6.0f} MHz  {watt:5.0f} W  "
               f"{us * clk / 1e6:7.3f} Mcycles per call  {watt * us / 1e3:7.1f} mJ per call")
+        rows.append({"name": name, "H": H, "us": us, "mhz": clk, "w": watt,
+                     "mcycles": us * clk / 1e6})
+    return rows
 
 
 BUILD_HEADS = (16, 64, 128)
+RESULT = "RESULT "  # sustained-ours: the line `builds` reads back
 
 
 def builds(sos: list[str], rounds: int) -> None:
     """`sustained` for ours, per build and round in a process of its own; Mcycles per call."""
-    import os
-
     table: dict[tuple[str, int], list[float]] = {}
     for rnd in range(rounds):
         for so in sos:
@@ -125,9 +132,9 @@ def builds(sos: list[str], rounds: int) -> None:
                                  capture_output=True, text=True, check=False)
             print(f"== round {rnd} {so}\n{out.stdout}{out.stderr[-2000:]}", flush=True)
             for line in out.stdout.splitlines():
-                f = line.split()
-                if len(f) > 10 and f[0] == "ours" and f[1].startswith("H="):
-                    table.setdefault((so, int(f[1][2:])), []).append(float(f[10]))
+                if line.startswith(RESULT):
+                    for r in json.loads(line[len(RESULT):]):
+                        table.setdefault((so, r["H"]), []).append(r["mcycles"])
     print("Mcycles per call (4096 tokens, topk 2048, 8k; one value per round)")
     for H in BUILD_HEADS:
         for so in sos:
@@ -142,7 +149,7 @@ def main() -> int:
     elif what == "sustained":
         sustained()
     elif what == "sustained-ours":
-        sustained(heads=BUILD_HEADS, only="ours")
+        print(RESULT + json.dumps(sustained(heads=BUILD_HEADS, only="ours")))
     elif what == "builds":
         args = sys.argv[2:]
         rounds = 2
