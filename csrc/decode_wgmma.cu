@@ -1031,6 +1031,31 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         valid[w] = kPaired ? sMask[mb * 8 + 2 * w] | (sMask[mb * 8 + 2 * w + 1] << 16) : sMask[mb * 4 + w];
       }
     }
+    // bf16 seesaw: a unit whose entries are all valid (the usual case, topk within the
+    // context) skips the per-key tests, the same arithmetic in the same order. With the tests
+    // ptxas parked its predicates in a register around the shuffles: ~170 instructions on
+    // warpgroup 0's way to kBarMax0 where these take 80 (docs/kernels/sparse_decode.md, v49)
+    if constexpr (kSrc == KeySource::kSparse16) {
+      if ((valid[0] & valid[1] & valid[2] & valid[3] & 0x55555555u) == 0x55555555u) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& v = s[n * 4 + hr * 2 + e];
+              v = v * scale_log2;
+              mx = fmaxf(mx, v);
+            }
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+          rmax[hr] = mx;
+        }
+        return;
+      }
+    }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + wrow + hr * 8;
@@ -1305,7 +1330,18 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         float rmax[2], m_new[2], scale0[2], rsum[2];
         mask_and_max(pa_ * kKeys, seq_len, rmax, 0);
         update_max(rmax, m_new, scale0, sScale0);
-        if constexpr (kEarlyMax) named_arrive(kBarMax0, 256);
+        if constexpr (kEarlyMax) {
+          named_arrive(kBarMax0, 256);
+          // ptxas hoisted 24 of the exponentials above the arrive (~190 cycles of MUFU on the
+          // chain it starts). Reading back the published scale (only this warpgroup writes
+          // sScale0) and adding back - scale, an exact 0, to the max keeps them below it: the
+          // load cannot pass the barrier, nor the exponentials the load (v49)
+          __syncwarp();
+          const float back = *reinterpret_cast<volatile float*>(sScale0 + wrow);
+          const float zero = back - scale0[0];
+          m_new[0] += zero;
+          m_new[1] += zero;
+        }
         exponentiate(m_new, rsum);
         scale_o(scale0);
         l_run[0] = l_run[0] * scale0[0] + rsum[0];
