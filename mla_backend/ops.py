@@ -479,16 +479,30 @@ def _device_of(device: torch.device | str) -> torch.device:
 # partials are smaller).
 WHOLE_REQUEST_EXTRA_UNITS = 4
 WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H = 3
+# On a bf16 cache the split's cost grows with the partials it writes and the merge reads:
+# about 4.6 us plus 0.69 us per MB of float32 partials, against ~2.0 us per unit of one CTA
+# (H100, bf16 H = 32 and 64 at batch 32, docs/kernels/sparse_decode.md, v50). So where the
+# partials are large, whole requests pay even when they add more than 4 units.
+SPLIT_FIXED_US = 4.6
+SPLIT_US_PER_MB = 0.69
+BF16_UNIT_US = 2.0
 
 
 def _whole_requests_floor(groups: int, units_per_req: int, num_ctas: int, min_units: int,
                           num_heads: int, kv_fp8: bool) -> int:
     """The planner's floor on units per CTA: raised to whole requests per CTA (no request
-    split, no merge kernel) when that adds few units to the balanced share."""
+    split, no merge kernel) when that adds few units to the balanced share, or (bf16 cache)
+    fewer than the split's partials and merge would cost."""
     balanced = max(-(-groups * units_per_req // num_ctas), min_units)
     whole = -(-balanced // units_per_req) * units_per_req
-    limit = (WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H if kv_fp8 and num_heads < 64
-             else WHOLE_REQUEST_EXTRA_UNITS)
+    if kv_fp8:
+        limit = (WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H if num_heads < 64
+                 else WHOLE_REQUEST_EXTRA_UNITS)
+    else:
+        ctas_used = -(-groups * units_per_req // balanced)
+        partial_mb = ctas_used * num_heads * D_V * 4 / 1e6
+        split_units = (SPLIT_FIXED_US + SPLIT_US_PER_MB * partial_mb) / BF16_UNIT_US
+        limit = max(WHOLE_REQUEST_EXTRA_UNITS, split_units)
     return whole if whole - balanced <= limit else min_units
 
 

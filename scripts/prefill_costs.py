@@ -10,11 +10,12 @@ piece (one token's setup, epilogue and pipeline refill) per SM.
 sustained: each kernel in a loop for 4 s (the power cap and the clock settle), with
 nvidia-smi sampling clock and power every 100 ms: cycles and energy per call.
 
-    python3 scripts/prefill_costs.py builds A/_C.abi3.so B/_C.abi3.so [--rounds 2]
+    python3 scripts/prefill_costs.py builds A/_C.abi3.so B/_C.abi3.so [--rounds 2] [--s-kv 8192]
 
 builds: ours alone, `sustained` once per build and round, each in a process of its own
-(MLA_BACKEND_EXTENSION), H = 16 / 64 / 128; a table of Mcycles per call last. At the power
-cap, cycles per call vary ~1% between runs where the 40 ms bench rows vary up to 13%.
+(MLA_BACKEND_EXTENSION), H = 16 / 64 / 128 at s_kv keys (default 8k); a table of Mcycles per
+call last. At the power cap, cycles per call vary ~1% between runs where the 40 ms bench rows
+vary up to 13%.
 """
 
 from __future__ import annotations
@@ -122,20 +123,20 @@ BUILD_HEADS = (16, 64, 128)
 RESULT = "RESULT "  # sustained-ours: the line `builds` reads back
 
 
-def builds(sos: list[str], rounds: int) -> None:
+def builds(sos: list[str], rounds: int, s_kv: int = 8192) -> None:
     """`sustained` for ours, per build and round in a process of its own; Mcycles per call."""
     table: dict[tuple[str, int], list[float]] = {}
     for rnd in range(rounds):
         for so in sos:
             env = dict(os.environ, MLA_BACKEND_EXTENSION=so)
-            out = subprocess.run([sys.executable, __file__, "sustained-ours"], env=env,
+            out = subprocess.run([sys.executable, __file__, "sustained-ours", str(s_kv)], env=env,
                                  capture_output=True, text=True, check=False)
             print(f"== round {rnd} {so}\n{out.stdout}{out.stderr[-2000:]}", flush=True)
             for line in out.stdout.splitlines():
                 if line.startswith(RESULT):
                     for r in json.loads(line[len(RESULT):]):
                         table.setdefault((so, r["H"]), []).append(r["mcycles"])
-    print("Mcycles per call (4096 tokens, topk 2048, 8k; one value per round)")
+    print(f"Mcycles per call (4096 tokens, topk 2048, s_kv {s_kv}; one value per round)")
     for H in BUILD_HEADS:
         for so in sos:
             vals = table.get((so, H), [])
@@ -149,17 +150,19 @@ def main() -> int:
     elif what == "sustained":
         sustained()
     elif what == "sustained-ours":
-        print(RESULT + json.dumps(sustained(heads=BUILD_HEADS, only="ours")))
+        s_kv = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+        print(RESULT + json.dumps(sustained(s_kv=s_kv, heads=BUILD_HEADS, only="ours")))
     elif what == "builds":
         args = sys.argv[2:]
-        rounds = 2
-        if "--rounds" in args:
-            i = args.index("--rounds")
-            rounds = int(args[i + 1])
-            del args[i:i + 2]
+        opts = {"--rounds": 2, "--s-kv": 8192}
+        for flag in opts:
+            if flag in args:
+                i = args.index(flag)
+                opts[flag] = int(args[i + 1])
+                del args[i:i + 2]
         if not args:
-            raise SystemExit("usage: prefill_costs.py builds SO [SO ...] [--rounds N]")
-        builds(args, rounds)
+            raise SystemExit("usage: prefill_costs.py builds SO [SO ...] [--rounds N] [--s-kv N]")
+        builds(args, opts["--rounds"], opts["--s-kv"])
     else:
         raise SystemExit(f"usage: prefill_costs.py fit|sustained|builds; got {what!r}")
     return 0

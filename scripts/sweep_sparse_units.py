@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def sweep_row(c, cache: str, rounds: int, budget_ms: float) -> dict:
                 combine[key] = plan(u).needs_combine
                 times[key] = []
             times[key].append(common.time_graph(step, c.nsets, budget_ms=budget_ms).us)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
     best = min(med, key=med.get)
     return {"cache": cache, "H": c.H, "s_q": c.s_q, "batch": c.batch, "topk": c.topk,
             "units_per_req": upr, "num_ctas": num_ctas, "us": med, "combine": combine,
