@@ -1309,9 +1309,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     // The max handshake (kBarMax0, kBarMax1) carries only what the other warpgroup needs: each
     // warpgroup announces its max as soon as it is published, and warpgroup 1 takes its row
     // maxima before it waits. Each wait sat on the chain that ends in K0 right's refill
-    // (prefill H = 128 -6% in cycles, docs/kernels/sparse_decode.md, v44). The dense sources
-    // keep the old order until it is measured there.
-    constexpr bool kEarlyMax = kSparse;
+    // (sparse prefill H = 128 -6% in cycles, docs/kernels/sparse_decode.md, v44; with v45's and
+    // v49's order, dense decode up to -6.5%, docs/kernels/dense_decode.md).
     for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
       if (wtid == 0 && wg == 0) {
         const int k = 8 + (u - u_begin + pa_ - pg_begin) / 2;
@@ -1330,8 +1329,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         float rmax[2], m_new[2], scale0[2], rsum[2];
         mask_and_max(pa_ * kKeys, seq_len, rmax, 0);
         update_max(rmax, m_new, scale0, sScale0);
-        if constexpr (kEarlyMax) {
-          named_arrive(kBarMax0, 256);
+        named_arrive(kBarMax0, 256);
+        {
           // ptxas hoisted 24 of the exponentials above the arrive (~190 cycles of MUFU on the
           // chain it starts). Reading back the published scale (only this warpgroup writes
           // sScale0) and adding back - scale, an exact 0, to the max keeps them below it: the
@@ -1348,7 +1347,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         l_run[1] = l_run[1] * scale0[1] + rsum[1];
         const int n_valid = pa_ < p.max_blocks ? min(kKeys, seq_len - pa_ * kKeys) : 0;
         zero_tail(0, n_valid);
-        if constexpr (!kEarlyMax) named_arrive(kBarMax0, 256);
         uint32_t pfrag[4][4];
         const float one[2] = {1.f, 1.f};
         pack_p(pfrag, one);
@@ -1388,40 +1386,29 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         fence_regs<32>(s);
       } else {
         float rmax[2], m_new[2], scale1[2], rsum[2] = {0.f, 0.f};
-        if (kEarlyMax && has_b) mask_and_max(pb * kKeys, seq_len, rmax, 1);  // needs nothing of warpgroup 0's
+        if (has_b) mask_and_max(pb * kKeys, seq_len, rmax, 1);  // needs nothing of warpgroup 0's
         named_sync(kBarMax0, 256);
         const float scale0[2] = {sScale0[wrow], sScale0[wrow + 8]};
-        if (has_b) {
-          if (!kEarlyMax) mask_and_max(pb * kKeys, seq_len, rmax, 1);
-        } else {
-          rmax[0] = rmax[1] = -INFINITY;
-        }
+        if (!has_b) rmax[0] = rmax[1] = -INFINITY;
         update_max(rmax, m_new, scale1, sScale1);  // on top of warpgroup 0's new max
-        if constexpr (kEarlyMax) named_arrive(kBarMax1, 256);
+        named_arrive(kBarMax1, 256);
         const float both[2] = {scale0[0] * scale1[0], scale0[1] * scale1[1]};
-        // sparse: P1 is stored and signalled before this warpgroup scales its O (warpgroup 0's
-        // PV with P1 releases K1's left half when it retires; v45)
-        constexpr bool kP1First = kSparse;
+        // P1 is stored and signalled before this warpgroup scales its O (warpgroup 0's PV with
+        // P1 releases K1's left half when it retires; v45)
         uint32_t pfrag[4][4];
-        auto publish_p1 = [&] {
-          const float one[2] = {1.f, 1.f};
-          pack_p(pfrag, one);
-          store_p(sP1, pfrag);
-          named_arrive(kBarP1, 256);
-        };
-        if (!kP1First) scale_o(both);
         if (has_b) {
           exponentiate(m_new, rsum);
           const int n_valid = pb < p.max_blocks ? min(kKeys, seq_len - pb * kKeys) : 0;
           zero_tail(1, n_valid);
-          if (kP1First) publish_p1();
+          const float one[2] = {1.f, 1.f};
+          pack_p(pfrag, one);
+          store_p(sP1, pfrag);
+          named_arrive(kBarP1, 256);
         }
-        if (kP1First) scale_o(both);
+        scale_o(both);
         l_run[0] = l_run[0] * both[0] + rsum[0];
         l_run[1] = l_run[1] * both[1] + rsum[1];
-        if constexpr (!kEarlyMax) named_arrive(kBarMax1, 256);
         if (has_b) {
-          if (!kP1First) publish_p1();
           fence_regs<128>(o);
           issue_pv_rs(pfrag, 1);
         }

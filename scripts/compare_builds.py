@@ -1,7 +1,8 @@
 """Do two builds of the extension compute the same bits? Runs sparse prefill and sparse decode
 over bf16 and fp8_ds_mla caches (H 16, 64, 100, 128; random indices with -1 and out-of-range
-entries) on fixed inputs with each build, in a process of its own, and compares outputs and
-lse bit for bit. For changes meant to move time only (schedule, addressing, launch shape).
+entries) and dense paged decode (bf16, fp16, per-tensor fp8; s_q 1, 2) on fixed inputs
+with each build, in a process of its own, and compares outputs and lse bit for bit. For
+changes meant to move time only (schedule, addressing, launch shape).
 
     python3 scripts/compare_builds.py A/mla_backend/_C.abi3.so B/mla_backend/_C.abi3.so
 """
@@ -35,6 +36,22 @@ def run_one(so: str, path: str) -> None:
         packed = formats.quantize_fp8_ds_mla(cache[..., :512].contiguous(),
                                              cache[..., 512:].contiguous())
         res[f"fp8 decode H={heads}"] = ops.sparse_mla_decode(qd, packed, idd, plan, 576 ** -0.5)
+        # dense paged decode (bf16, fp16, per-tensor fp8), ragged lengths and a permuted
+        # block table; s_q 1 and 2 run the wgmma seesaw at H >= 32 (64-row tiles)
+        lens = torch.randint(2, 2000, (16,), device="cuda", generator=g, dtype=torch.int32)
+        table = torch.randperm(16 * 32, device="cuda", generator=g).view(16, 32).to(torch.int32)
+        pages = torch.randn(16 * 32, 64, 576, device="cuda", generator=g)
+        for s_q in (1, 2):
+            for dt, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+                qq = torch.randn(16, s_q, heads, 576, device="cuda", generator=g).to(dt)
+                dplan = ops.plan_decode(lens, s_q, heads)
+                res[f"dense {name} s_q={s_q} H={heads}"] = ops.mla_decode(
+                    qq, pages.to(dt), table, lens, dplan, 576 ** -0.5)
+            qq = torch.randn(16, s_q, heads, 576, device="cuda", generator=g).to(torch.bfloat16)
+            fplan = ops.plan_decode(lens, s_q, heads, kv_cache_dtype=torch.float8_e4m3fn)
+            res[f"dense fp8 s_q={s_q} H={heads}"] = ops.mla_decode(
+                qq, (pages * 0.5).to(torch.float8_e4m3fn), table, lens, fplan, 576 ** -0.5,
+                kv_scale=2.0)
     torch.save({k: (o.cpu(), lse.cpu()) for k, (o, lse) in res.items()}, path)
 
 
