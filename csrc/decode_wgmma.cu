@@ -1034,7 +1034,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     // bf16 seesaw: a unit whose entries are all valid (the usual case, topk within the
     // context) skips the per-key tests, the same arithmetic in the same order. With the tests
     // ptxas parked its predicates in a register around the shuffles: ~170 instructions on
-    // warpgroup 0's way to kBarMax0 where these take 80 (docs/kernels/sparse_decode.md, v49)
+    // warpgroup 0's way to kBarMax0 where these take 80 (docs/kernels/sparse_decode.md, v49).
+    // A loop of its own: one loop shared with the tested one through a predicate lambda cost
+    // the dense kernels 120 more instructions
     if constexpr (kSrc == KeySource::kSparse16) {
       if ((valid[0] & valid[1] & valid[2] & valid[3] & 0x55555555u) == 0x55555555u) {
 #pragma unroll
