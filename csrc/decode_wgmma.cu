@@ -377,6 +377,19 @@ struct KeyProducer {
     }
   }
 
+  // The 128-byte lines of half h of this thread's entry row to L2 (h = 0: lines 0-3, h = 1:
+  // lines 4-8; part 0 takes the first 2 or 3, part 1 the rest). Issued before the fill's
+  // release wait, so where the rows come from DRAM the copies after the release find them in
+  // L2 or on their way (docs/kernels/sparse_decode.md, v55). A pair ahead, the lines were
+  // evicted before use (v54).
+  __device__ __forceinline__ void prefetch_half(int slot, int h) const {
+    if (slot < 0) return;
+    const unsigned char* row = token_row(slot) + (h ? 512 + 384 * part : 256 * part);
+    const int n = h && !part ? 3 : 2;
+#pragma unroll
+    for (int l = 0; l < 3; ++l)
+      if (l < n) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + 128 * l));
+  }
   // half h of buffer b from cache slot `slot` (-1: zeros, masked): h = 0 chunks 0-3, h = 1
   // chunks 4-8 (see kFills)
   __device__ Fill issue(int b, int h, int slot, Fill& pending) {
@@ -851,10 +864,22 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           // and measured no faster (docs/kernels/sparse_decode.md, v25).
           if constexpr (kSrc == KeySource::kSparse16) {
             if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(2);
+            // each fill's lines to L2 before its release wait, with one row tile per query
+            // group (H <= 64). Two co-placed tiles gather the same rows, and there the
+            // prefetch cost 2-4% even split between them (docs/kernels/sparse_decode.md, v55).
+            const bool prefetch = gridDim.y == 1;
+            if (prefetch) prod.prefetch_half(slot_a, 0);
             issue(0, 0, slot_a);
-            if (has_b) issue(1, 1, slot_b);
+            if (has_b) {
+              if (prefetch) prod.prefetch_half(slot_b, 1);
+              issue(1, 1, slot_b);
+            }
+            if (prefetch) prod.prefetch_half(slot_a, 1);
             issue(0, 1, slot_a);
-            if (has_b) issue(1, 0, slot_b);
+            if (has_b) {
+              if (prefetch) prod.prefetch_half(slot_b, 0);
+              issue(1, 0, slot_b);
+            }
             if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(3);
           } else {
             // fills (b, h) = (0, 0), (0, 1), (1, 1), (1, 0) in a loop that is not unrolled:
