@@ -2,7 +2,7 @@
 "Where the H >= 64 prefill loses"). Two measurements, GPU machine, vLLM kit for the peer:
 
     python3 scripts/prefill_costs.py fit        # time against topk, fitted per SM
-    python3 scripts/prefill_costs.py sustained [--s-kv N]  # a 4 s loop per kernel, nvidia-smi sampled
+    python3 scripts/prefill_costs.py sustained [--s-kv N]  # 4 s loops, nvidia-smi sampled
 
 fit: tokens = 1056 (8 whole tokens per SM at H = 64, 16 at H = 128 on 132 SMs), topk 512 to
 2048, 8k keys; a straight line through time(topk) gives the cost of a 64-key unit and of a
