@@ -659,7 +659,7 @@ struct RegFp8Producer {
 // Dense sources: T = bf16 or fp16 (q's type), requests are batch entries. Sparse sources:
 // T = bf16, requests are query groups (DecodeParams). kPaired: see KeyProducer; launched as
 // 2-CTA clusters along y (the two row tiles).
-template <typename T, KeySource kSrc, bool kPaired>
+template <typename T, KeySource kSrc, bool kPaired, bool kPrefetch = false>
 __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
                                                                          const __grid_constant__ CUtensorMap kv_map,
                                                                          const __grid_constant__ CUtensorMap q_map) {
@@ -864,20 +864,17 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           // and measured no faster (docs/kernels/sparse_decode.md, v25).
           if constexpr (kSrc == KeySource::kSparse16) {
             if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(2);
-            // each fill's lines to L2 before its release wait, with one row tile per query
-            // group (H <= 64). Two co-placed tiles gather the same rows, and there the
-            // prefetch cost 2-4% even split between them (docs/kernels/sparse_decode.md, v55).
-            const bool prefetch = gridDim.y == 1;
-            if (prefetch) prod.prefetch_half(slot_a, 0);
+            // kPrefetch: each fill's lines to L2 before its release wait (see launch_sparse_wgmma)
+            if constexpr (kPrefetch) prod.prefetch_half(slot_a, 0);
             issue(0, 0, slot_a);
             if (has_b) {
-              if (prefetch) prod.prefetch_half(slot_b, 1);
+              if constexpr (kPrefetch) prod.prefetch_half(slot_b, 1);
               issue(1, 1, slot_b);
             }
-            if (prefetch) prod.prefetch_half(slot_a, 1);
+            if constexpr (kPrefetch) prod.prefetch_half(slot_a, 1);
             issue(0, 1, slot_a);
             if (has_b) {
-              if (prefetch) prod.prefetch_half(slot_b, 0);
+              if constexpr (kPrefetch) prod.prefetch_half(slot_b, 0);
               issue(1, 0, slot_b);
             }
             if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(3);
@@ -1980,9 +1977,9 @@ CUtensorMap make_q_map(const DecodeParams& p, int box_rows = kRows) {
   return map;
 }
 
-template <typename T, KeySource kSrc, bool kPaired = false>
+template <typename T, KeySource kSrc, bool kPaired = false, bool kPrefetch = false>
 void launch_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine = true) {
-  auto kernel = decode_wgmma_kernel<T, kSrc, kPaired>;
+  auto kernel = decode_wgmma_kernel<T, kSrc, kPaired, kPrefetch>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
   TORCH_CHECK(!kPaired || grid.y == 2, "mla_decode: a paired launch needs exactly two row tiles");
@@ -2021,11 +2018,20 @@ void launch_decode_wgmma(const DecodeParams& p, bool bf16, bool fp8, cudaStream_
   }
 }
 
+// 65536 rows of 1152 bytes are 75 MB, 1.5x the H100's 50 MB L2
+constexpr int kPrefetchMinSlots = 1 << 16;
+
 void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, bool combine, cudaStream_t stream) {
   // fp8_ds_mla with two row tiles (H > 64): the tiles share each unit's conversion (kPaired)
   if (fp8_ds_mla && p.rows > kRows) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, true>(p, stream, combine);
   else if (fp8_ds_mla) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, false>(p, stream, combine);
   else if (p.rows <= 16) launch_sparse_narrow<16>(p, stream, combine);
+  // bf16, one row tile (H <= 64), a cache too large for L2: the producer prefetches each
+  // fill's rows to L2 before its release wait. Where the rows sit in L2 there is nothing to
+  // gain, and with two co-placed tiles gathering the same rows it cost 2-4%; an instantiation
+  // of its own keeps the other schedules' code as it was (docs/kernels/sparse_decode.md, v55).
+  else if (p.rows <= kRows && p.num_slots >= kPrefetchMinSlots)
+    launch_wgmma<__nv_bfloat16, KeySource::kSparse16, false, true>(p, stream, combine);
   else launch_wgmma<__nv_bfloat16, KeySource::kSparse16, false>(p, stream, combine);
 }
 

@@ -320,6 +320,25 @@ def test_prefill_flat_and_paged(fmt, heads):
         _compare_out(got, exact, want_lse)
 
 
+@pytest.mark.parametrize("heads", [32, 64, 128])
+def test_bf16_cache_larger_than_l2(heads):
+    """A bf16 cache of 70400 slots, above the 65536 from which the bf16 producer prefetches
+    each fill's rows to L2 (kPrefetchMinSlots in csrc/decode_wgmma.cu; H <= 64 only):
+    decode over the paged cache with ragged lengths, then prefill over the same rows as a
+    flat kv."""
+    g = _gen()
+    batch, topk = 48, 2048
+    lengths = torch.randint(0, topk + 50, (batch,), generator=g).tolist()
+    got, _ = _check_decode(batch, 1, heads, topk, "bf16", num_blocks=1100, lengths=lengths, g=g)
+    assert got.shape == (batch, 1, heads, 512)
+    q, cache, idx, _ = _case(200, 1, heads, topk, "bf16", num_blocks=1100, g=g)
+    flat = cache.reshape(-1, 576)
+    assert flat.shape[0] >= 65536
+    got, lse = ops.sparse_mla_prefill(q[:, 0], flat, idx[:, 0], 0.05)
+    want, want_lse = ref.sparse_mla_prefill(q[:, 0], flat, idx[:, 0], 0.05)
+    _compare(got, lse, want, want_lse)
+
+
 def test_dense_equivalent_matches_mla_decode():
     """Indices naming every cached token of a request give dense non-causal decode."""
     g = _gen()
