@@ -2028,7 +2028,7 @@ void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, bool combine, c
   else if (p.rows <= 16) launch_sparse_narrow<16>(p, stream, combine);
   // bf16, one row tile (H <= 64), a cache too large for L2: the producer prefetches each
   // fill's rows to L2 before its release wait. Where the rows sit in L2 there is nothing to
-  // gain, and with two co-placed tiles gathering the same rows it cost 2-4%; an instantiation
+  // gain, and with two co-placed tiles gathering the same rows it cost 2-6%; an instantiation
   // of its own keeps the other schedules' code as it was (docs/kernels/sparse_decode.md, v55).
   else if (p.rows <= kRows && p.num_slots >= kPrefetchMinSlots)
     launch_wgmma<__nv_bfloat16, KeySource::kSparse16, false, true>(p, stream, combine);
