@@ -143,27 +143,31 @@ def builds(sos: list[str], rounds: int, s_kv: int = 8192) -> None:
             print(f"H={H:<4d} {so:50s} " + " ".join(f"{v:6.3f}" for v in vals))
 
 
+def pop_int(args: list[str], flag: str, default: int) -> int:
+    """The value of `flag N` in args (removed from them), or default."""
+    if flag not in args:
+        return default
+    i = args.index(flag)
+    value = int(args[i + 1])
+    del args[i:i + 2]
+    return value
+
+
 def main() -> int:
     what = sys.argv[1] if len(sys.argv) > 1 else "fit"
+    args = sys.argv[2:]
     if what == "fit":
         fit()
     elif what == "sustained":
-        args = sys.argv[2:]
-        sustained(s_kv=int(args[args.index("--s-kv") + 1]) if "--s-kv" in args else 8192)
+        sustained(s_kv=pop_int(args, "--s-kv", 8192))
     elif what == "sustained-ours":
         s_kv = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
         print(RESULT + json.dumps(sustained(s_kv=s_kv, heads=BUILD_HEADS, only="ours")))
     elif what == "builds":
-        args = sys.argv[2:]
-        opts = {"--rounds": 2, "--s-kv": 8192}
-        for flag in opts:
-            if flag in args:
-                i = args.index(flag)
-                opts[flag] = int(args[i + 1])
-                del args[i:i + 2]
+        rounds, s_kv = pop_int(args, "--rounds", 2), pop_int(args, "--s-kv", 8192)
         if not args:
             raise SystemExit("usage: prefill_costs.py builds SO [SO ...] [--rounds N] [--s-kv N]")
-        builds(args, opts["--rounds"], opts["--s-kv"])
+        builds(args, rounds, s_kv)
     else:
         raise SystemExit(f"usage: prefill_costs.py fit|sustained|builds; got {what!r}")
     return 0
