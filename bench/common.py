@@ -1,6 +1,7 @@
 """Reusable parts of the side-by-side benchmarks (bench/*.py).
 
 - CUDA-graph timing of one "step" callable rotating over several input sets (time_graph)
+- the order of side-by-side timing rounds, each kernel first in turn (round_orders)
 - device copy bandwidth (copy_bandwidth_gbs)
 - rotating-set sizing against the L2 cache (rotating_sets)
 - result rows, the results file in design.md's shape, and the printed table (BenchRow,
@@ -177,6 +178,18 @@ def time_graph(step: Callable[[int], object], nsets: int, *, budget_ms: float = 
     return Timing(us=med * 1e3 / ncalls, ncalls=ncalls, reps=reps, nsets=nsets, spread=spread)
 
 
+def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
+    """The order in which a row times its kernels, one list per round: round i starts at
+    kernel i mod n and goes round. Where a call runs for milliseconds, the first tens of ms
+    after a pause (building the row, the reference) run above the power cap's sustained clock,
+    so a kernel always timed first, or always right after another, would be favoured or
+    penalised; in turn, with rounds a multiple of n, each is first equally often."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1; got {rounds}")
+    n = len(names)
+    return [[names[(i + j) % n] for j in range(n)] for i in range(rounds)] if n else []
+
+
 def copy_bandwidth_gbs(nbytes: int = 2**30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth in GB/s (1e9 B/s), counting bytes read + written,
     median of `reps` copies of `nbytes`."""
@@ -218,6 +231,7 @@ class BenchRow:
     skipped: dict[str, str] = field(default_factory=dict)     # kernel -> why it is not in us
     uncounted_us: dict[str, float] = field(default_factory=dict)  # measured, not counted
     notes: dict[str, str] = field(default_factory=dict)       # kernel -> how it was timed
+    us_rounds: dict[str, list[float]] = field(default_factory=dict)  # per timing round, if rounds
     tflops_ours: float | None = None
     gbs_ours: float | None = None
     speedup_vs_best_peer: float | None = None
@@ -242,7 +256,7 @@ class BenchRow:
         def rnd(v: float | None, nd: int) -> float | None:
             return None if v is None else round(v, nd)
 
-        return {
+        doc = {
             "config": dict(self.config),
             "us": {k: round(v, 2) for k, v in self.us.items()},
             "tflops_ours": rnd(self.tflops_ours, 1),
@@ -250,6 +264,9 @@ class BenchRow:
             "speedup_vs_best_peer": rnd(self.speedup_vs_best_peer, 4),
             "skipped": dict(self.skipped),
         }
+        if self.us_rounds:  # the rounds `us` is the median of (benches that time in rounds)
+            doc["us_rounds"] = {k: [round(v, 2) for v in vs] for k, vs in self.us_rounds.items()}
+        return doc
 
 
 def default_results_path(job: str, gpu: str, date: str) -> Path:
@@ -271,7 +288,8 @@ def write_results(path: Path, *, job: str, gpu: str, date: str, commit: str,
                   copy_bw_gbs: float | None, rows: Sequence[BenchRow]) -> dict[str, Any]:
     """Write design.md's results shape (every bench writes the same): job, gpu, date,
     commit, copy_bandwidth_gbs, rows[config, us, tflops_ours, gbs_ours,
-    speedup_vs_best_peer, skipped]. Written atomically (tmp file + rename)."""
+    speedup_vs_best_peer, skipped, and us_rounds where a bench times in rounds]. Written
+    atomically (tmp file + rename)."""
     doc = {
         "job": job,
         "gpu": gpu,

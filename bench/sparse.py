@@ -17,15 +17,18 @@ prefill  q [T, H, 576] bf16 against a flat bf16 kv [s_kv, 576], indices [T, topk
 FLASH_ATTN_MLA_SPARSE is not included (no standalone entry point in the kit).
 
 Timing: common.time_graph (CUDA graphs, median of replays), input sets rotated so the
-touched keys exceed L2. FLOPs = 2 * H * rows * topk * (576 + 512) with rows = B * s_q (or
-T); bytes = keys read (topk per row, 656 or 1152 B) + q + out. Correctness gate: rel L2 of
-out vs the float32 reference on (a slice of) the first input set.
+touched keys exceed L2, in --rounds rounds per row with each kernel first in turn
+(common.round_orders); a row's time per kernel is the median of its rounds.
+FLOPs = 2 * H * rows * topk * (576 + 512) with rows = B * s_q (or T); bytes = keys read
+(topk per row, 656 or 1152 B) + q + out. Correctness gate: rel L2 of out vs the float32
+reference on (a slice of) the first input set.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -203,30 +206,51 @@ def bench_case(c: Case, kernels, args, copy_bw) -> BenchRow:
     row = BenchRow(config=cfg)
     want = reference_out(c)
     n = want.shape[0]
-    for name in kernels:
+    built: dict[str, Kernel] = {}
+    errors: dict[str, float] = {}
+
+    def failed(name: str, e: Exception) -> None:
+        row.skipped[name] = common.short_error(e)
+        log(f"    {name:9s} FAILED: {row.skipped[name]}")
+        if args.verbose:
+            traceback.print_exc()
+        if not common.cuda_alive():
+            raise e
+
+    for name in kernels:  # build and check every kernel before any is timed
         try:
             k = BUILDERS[name](c)
-            got = k.check()
-            err = common.rel_l2(got[:n], want)
-            timing = common.time_graph(k.step, c.nsets, budget_ms=args.budget_ms)
-            line = f"    {name:9s} {timing.us:9.1f} us  [rel L2 {err:.1e}; {timing.nsets} sets]"
-            if err < REL_L2_TOL:
-                row.us[name] = timing.us
-            else:
-                row.uncounted_us[name] = timing.us
-                row.skipped[name] = f"correctness gate failed (rel L2 {err:.1e})"
-                line += "  <-- CORRECTNESS GATE FAILED"
-            log(line)
+            errors[name] = common.rel_l2(k.check()[:n], want)
+            built[name] = k
         except NotApplicable as e:
             row.skipped[name] = str(e)
             log(f"    {name:9s} skipped: {e}")
         except Exception as e:  # noqa: BLE001 - reported in the row
-            row.skipped[name] = common.short_error(e)
-            log(f"    {name:9s} FAILED: {row.skipped[name]}")
-            if args.verbose:
-                traceback.print_exc()
-            if not common.cuda_alive():
-                raise
+            failed(name, e)
+    samples: dict[str, list[float]] = {name: [] for name in built}
+    for order in common.round_orders(list(built), args.rounds):
+        for name in order:
+            if name in row.skipped:
+                continue
+            try:
+                samples[name].append(common.time_graph(built[name].step, c.nsets,
+                                                       budget_ms=args.budget_ms).us)
+            except Exception as e:  # noqa: BLE001 - reported in the row
+                failed(name, e)
+    for name, us_list in samples.items():
+        if name in row.skipped:
+            continue
+        us, err = statistics.median(us_list), errors[name]
+        line = (f"    {name:9s} {us:9.1f} us  [rel L2 {err:.1e}; {c.nsets} sets; rounds "
+                + " ".join(f"{v:.1f}" for v in us_list) + "]")
+        row.us_rounds[name] = us_list
+        if err < REL_L2_TOL:
+            row.us[name] = us
+        else:
+            row.uncounted_us[name] = us
+            row.skipped[name] = f"correctness gate failed (rel L2 {err:.1e})"
+            line += "  <-- CORRECTNESS GATE FAILED"
+        log(line)
     key_bytes = c.kv.shape[-1] * c.kv.element_size()
     flops = 2.0 * c.H * c.rows * c.topk * (D_QK + D_V)
     nbytes = c.rows * c.topk * key_bytes + c.rows * c.H * (D_QK + D_V) * 2.0
@@ -250,6 +274,8 @@ def main(job: str, argv=None) -> int:
     p.add_argument("--kernels", nargs="+", default=list(BUILDERS), choices=list(BUILDERS))
     p.add_argument("--out", default=None, help="results file or directory")
     p.add_argument("--budget-ms", type=float, default=40.0)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="timing rounds per row, each kernel first in turn; the median counts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true")
     if job == "decode":
