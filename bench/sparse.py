@@ -287,6 +287,8 @@ def main(job: str, argv=None) -> int:
         p.add_argument("--s-kv", type=int, nargs="+", help="only these kv lengths")
     p.add_argument("--heads", type=int, nargs="+", help="only these head counts")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1; got {args.rounds}")
     matrix = dict((QUICK if args.quick else MATRICES)[job])
     if args.heads:
         matrix["H"] = tuple(args.heads)
