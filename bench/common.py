@@ -180,9 +180,9 @@ def time_graph(step: Callable[[int], object], nsets: int, *, budget_ms: float = 
 
 def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
     """The order in which a row times its kernels, one list per round: round i starts at
-    kernel i mod n and goes round. Where a call runs for milliseconds, the first tens of ms
-    after a pause (building the row, the reference) run above the power cap's sustained clock,
-    so a kernel always timed first, or always right after another, would be favoured or
+    kernel i mod n and goes round. Where a call runs for milliseconds, a short burst after a
+    pause (building the row, the reference) can run above the power cap's sustained clock, so
+    a kernel always timed first, or always right after another, could be favoured or
     penalised; in turn, with rounds a multiple of n, each is first equally often."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1; got {rounds}")
@@ -264,7 +264,7 @@ class BenchRow:
             "speedup_vs_best_peer": rnd(self.speedup_vs_best_peer, 4),
             "skipped": dict(self.skipped),
         }
-        if self.us_rounds:  # the rounds `us` is the median of (benches that time in rounds)
+        if self.us_rounds:  # benches that time in rounds: `us` is the median of these
             doc["us_rounds"] = {k: [round(v, 2) for v in vs] for k, vs in self.us_rounds.items()}
         return doc
 
