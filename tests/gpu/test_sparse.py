@@ -416,3 +416,79 @@ def test_gpu_argument_errors():
         ops.sparse_mla_decode(q, cache, idx[..., :32], plan, 0.1)
     with pytest.raises(TypeError, match="q must be bfloat16"):
         ops.sparse_mla_decode(q.half(), cache, idx, plan, 0.1)
+
+
+# bf16 over 16 heads: the wgmma kernel merges requests split over two CTAs itself (the CTA
+# that finishes last); fp8_ds_mla and 16 heads leave them to the merge kernel
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("heads", [16, 20, 64, 128])
+@pytest.mark.parametrize("min_units", [4, 7])
+def test_decode_requests_split_in_two(fmt, heads, min_units):
+    """8-unit requests over CTAs of 4 units (halves, on CTA boundaries) and of 7 (a request
+    starts anywhere in a CTA): every request spans at most two CTAs, the plan carries merge
+    counts, and they are back to zero after each call (a second call on new data agrees)."""
+    batch, s_q, topk = 6, 2, 512
+    plan = ops.plan_sparse_decode(batch, s_q, heads, topk, device="cuda",
+                                  kv_cache_dtype=torch.uint8 if fmt != "bf16" else torch.bfloat16,
+                                  min_units_per_cta=min_units)
+    assert plan.needs_combine and plan.units_per_cta == min_units
+    assert plan.merge_counts is not None
+    assert plan.merge_counts.numel() == batch * s_q * -(-heads // 64)
+    for _ in range(2):
+        g = _gen()
+        q, cache, idx, _ = _case(batch, s_q, heads, topk, fmt, num_blocks=40, g=g)
+        idx[1] = -1                    # a whole request without a valid key: both parts empty
+        idx[2, 0, :256] = -1           # its first half (first part) empty
+        idx[3, 1, 256:] = -1           # its second half empty
+        out = torch.full((batch, s_q, heads, 512), float("nan"), dtype=torch.bfloat16,
+                         device="cuda")
+        got, lse = ops.sparse_mla_decode(q, cache, idx, plan, 0.05, out=out)
+        want, want_lse = ref.sparse_mla_decode(q, _kernel_keys(cache), idx, None, 0.05)
+        _compare(got, lse, want, want_lse)
+        assert torch.isinf(lse[1]).all() and torch.isfinite(lse[2:4]).all()
+        assert int(plan.merge_counts.abs().sum()) == 0
+
+
+def test_plan_merge_counts_only_where_requests_span_two_ctas():
+    """Uniform plans get merge counts exactly when some request is split and none spans
+    more than two CTAs; plans with topk_length never do."""
+    for min_units, want in ((2, False), (3, False), (4, True), (5, False), (6, True),
+                            (7, True), (8, False), (12, True), (16, False)):
+        plan = ops.plan_sparse_decode(6, 2, 64, 512, device="cuda", min_units_per_cta=min_units)
+        upr, U = plan.uniform_units, plan.units_per_cta
+        parts = [(r * upr + upr - 1) // U - (r * upr) // U + 1 for r in range(12)]
+        assert (max(parts) == 2) == want and (plan.merge_counts is not None) == want, min_units
+    length = torch.full((6,), 512, dtype=torch.int32, device="cuda")
+    plan = ops.plan_sparse_decode(6, 1, 64, 512, topk_length=length, min_units_per_cta=4)
+    assert plan.merge_counts is None
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_cuda_graph_requests_split_in_two(heads):
+    """The in-kernel merge under CUDA graph replays: the counts each call leaves at zero are
+    what the next replay starts from."""
+    batch, topk, num_blocks = 8, 512, 20
+    ws = ops.sparse_workspace(batch, heads, device="cuda")
+    cache = _cache(num_blocks, torch.ones(num_blocks, PAGE, dtype=torch.bool), "bf16",
+                   _gen()).cuda()
+    q = torch.zeros(batch, 1, heads, 576, dtype=torch.bfloat16, device="cuda")
+    idx = torch.full((batch, 1, topk), -1, dtype=torch.int32, device="cuda")
+    plan = ops.plan_sparse_decode(batch, 1, heads, topk, workspace=ws, min_units_per_cta=4)
+    assert plan.merge_counts is not None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.sparse_mla_decode(q, cache, idx, plan, 0.06)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = ops.sparse_mla_decode(q, cache, idx, plan, 0.06)
+    for _ in range(3):
+        g = _gen()
+        q.copy_(torch.randn(q.shape, generator=g).to(torch.bfloat16))
+        idx.copy_(torch.randint(-1, num_blocks * PAGE, idx.shape, generator=g, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        want, want_lse = ref.sparse_mla_decode(q, _kernel_keys(cache), idx, None, 0.06)
+        _compare(out, lse, want, want_lse)
+        assert int(ws.merge_counts.abs().sum()) == 0
