@@ -1463,102 +1463,13 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
     l1 += __shfl_xor_sync(0xffffffff, l1, 1); l1 += __shfl_xor_sync(0xffffffff, l1, 2);
     if (qd == 0) { sSum[wg * kRows + wrow] = l0; sSum[wg * kRows + wrow + 8] = l1; }
     consumers_sync();
-    float lt[2] = {sSum[wrow] + sSum[kRows + wrow], sSum[wrow + 8] + sSum[kRows + wrow + 8]};
-    float mt[2] = {sM[wrow], sM[wrow + 8]};
+    const float lt[2] = {sSum[wrow] + sSum[kRows + wrow], sSum[wrow + 8] + sSum[kRows + wrow + 8]};
+    const float mt[2] = {sM[wrow], sM[wrow + 8]};
     const int Pr1 = P_at(r + 1);
     const bool split = (Pr / U) != ((Pr1 - 1) / U);
     const float kv_scale = read_kv_scale();
     const int slot = Pr <= u_begin ? 0 : 1;
-    // the float32 partial of row `row` of this piece (O / l and lse), for the merge
-    auto store_partial = [&](int hr, int row, float inv_l, float lse_row) {
-      const int64_t prow = (int64_t(cta) * 2 + slot) * p.rows + row;
-      float* po = p.part_out + prow * kDv + wg * 256;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        *reinterpret_cast<float2*>(po + n * 8 + qd * 2) =
-            make_float2(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
-      }
-      if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
-    };
-    // Sparse, a request split over CTAs with merge_counts given: each part stores its partial,
-    // and the part that arrives last merges the others' into its registers and writes the
-    // output itself, as for a whole request (no merge kernel: its launch and its blocks cost
-    // 6-10 us at batch 32, docs/kernels/sparse_decode.md, v61)
-    auto merge_parts = [&]() -> bool {
-      // publish: every consumer's partial stores before the count (the pattern of a
-      // last-block reduction: each thread's fence, a barrier, one atomic)
-      __threadfence();
-      consumers_sync();
-      const int first = Pr / U, last = (Pr1 - 1) / U;
-      int* const count = p.merge_counts + int64_t(r) * gridDim.y + blockIdx.y;
-      int* const s_last = reinterpret_cast<int*>(sSum);  // sSum was read into lt above
-      if (tid == 0) {
-        int old;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(count) : "memory");
-        const bool is_last = old == last - first;
-        if (is_last) *count = 0;  // ready for the next call (read after this grid completes)
-        *s_last = is_last;
-      }
-      consumers_sync();
-      if (*s_last == 0) return false;
-      // the last part: O = (sum over parts of w_c O_c) / (sum of w_c), w_c = exp(lse_c - max);
-      // its own O_c is o / l, in registers
-      auto part_row = [&](int c, int row) {
-        const int c_slot = (c == first && Pr != c * U) ? 1 : 0;
-        return (int64_t(c) * 2 + c_slot) * p.rows + row;
-      };
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int row = row0 + wrow + hr * 8;
-        const bool valid = row < p.rows;
-        const float lse_own = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
-        float mx = lse_own;  // a NaN lse makes the row NaN, as in the merge kernel
-        for (int c = first; c <= last && valid; ++c)
-          if (c != cta) mx = fmax_nan(mx, __ldcg(p.part_lse + part_row(c, row)));
-        float wsum = 0.f, f_own = 0.f;
-        if (mx != -INFINITY) {
-          const float w = __expf(lse_own - mx);
-          wsum = w;
-          f_own = lt[hr] != 0.f ? w * kv_scale / lt[hr] : 0.f;
-        }
-#pragma unroll
-        for (int n = 0; n < 32; ++n) { o[n * 4 + hr * 2] *= f_own; o[n * 4 + hr * 2 + 1] *= f_own; }
-        for (int c = first; c <= last && valid && mx != -INFINITY; ++c) {
-          if (c == cta) continue;
-          const int64_t prow = part_row(c, row);
-          const float w = __expf(__ldcg(p.part_lse + prow) - mx);
-          wsum += w;
-          const float* po = p.part_out + prow * kDv + wg * 256 + qd * 2;
-#pragma unroll
-          for (int n = 0; n < 32; ++n) {
-            const float2 v = __ldcg(reinterpret_cast<const float2*>(po + n * 8));
-            o[n * 4 + hr * 2] += w * v.x;
-            o[n * 4 + hr * 2 + 1] += w * v.y;
-          }
-        }
-        // the whole-request store below divides by lt and writes lse = (mt + log2 lt) ln 2
-        lt[hr] = wsum;
-        mt[hr] = mx * kLog2e;
-      }
-      return true;
-    };
-    bool merged = false;
-    if constexpr (kSparse) {
-      if (split) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int row = row0 + wrow + hr * 8;
-          if (row >= p.rows) continue;
-          store_partial(hr, row, lt[hr] != 0.f ? kv_scale / lt[hr] : 0.f,
-                        lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY);
-        }
-        // (not the fp8_ds_mla split schedule: its warpgroups' register limits made ptxas spill)
-        if constexpr (!kSplitOf<kSrc>) {
-          if (p.merge_counts != nullptr) merged = merge_parts();
-        }
-      }
-    }
-    if (kSparse && (!split || merged)) {
+    if (kSparse && !split) {
       // a whole request: O (bf16) through sQ (free: this piece's S are done) into rows of 1024
       // bytes, 16-byte units XOR-swizzled by row % 8, with one stmatrix per 4 n-blocks; then
       // the 256 consumer threads store it with 16-byte coalesced stores. Stored from the
@@ -1599,7 +1510,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + row0 + m) * kDv + unit * 8) = val;
       }
       fence_proxy_async();  // sQ: generic accesses here, the next piece's Q by TMA
-    } else if constexpr (!kSparse) {
+    } else {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + wrow + hr * 8;
@@ -1615,10 +1526,17 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         }
         if (wg == 0 && qd == 0) p.lse[int64_t(r) * p.rows + row] = lse_row;
       } else {
-        store_partial(hr, row, inv_l, lse_row);
+        const int64_t prow = (int64_t(cta) * 2 + slot) * p.rows + row;
+        float* po = p.part_out + prow * kDv + wg * 256;
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+          *reinterpret_cast<float2*>(po + n * 8 + qd * 2) =
+              make_float2(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
+        }
+        if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
       }
     }
-    }  // staged or direct stores (dense)
+    }  // staged or direct stores
     consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers) are reused by the next piece
     if (tid == 0) TL(58);
     u = Pr + pg_end;
@@ -2085,7 +2003,7 @@ void launch_sparse_narrow(const DecodeParams& p, cudaStream_t stream, bool combi
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const CUtensorMap q_map = make_q_map(p, kN);
   launch_pdl(kernel, dim3(p.num_ctas), dim3(384), smem, stream, p, q_map);
-  if (combine) launch_combine<__nv_bfloat16>(p, stream);  // merge_counts is not read here
+  if (combine) launch_combine<__nv_bfloat16>(p, stream);
 }
 
 }  // namespace
@@ -2104,7 +2022,6 @@ void launch_decode_wgmma(const DecodeParams& p, bool bf16, bool fp8, cudaStream_
 constexpr int kPrefetchMinSlots = 1 << 16;
 
 void launch_sparse_wgmma(const DecodeParams& p, bool fp8_ds_mla, bool combine, cudaStream_t stream) {
-  if (!fp8_ds_mla && p.rows > 16) combine = combine && p.merge_counts == nullptr;  // it merges in-kernel
   // fp8_ds_mla with two row tiles (H > 64): the tiles share each unit's conversion (kPaired)
   if (fp8_ds_mla && p.rows > kRows) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, true>(p, stream, combine);
   else if (fp8_ds_mla) launch_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, false>(p, stream, combine);

@@ -18,7 +18,6 @@ constexpr int kDv = 512;
 constexpr int kPage = 64;
 constexpr int kChunksPerRow = kDqk * 2 / 16;  // 72 16-byte chunks per token
 constexpr float kLn2 = 0.69314718055994530942f;
-constexpr float kLog2e = 1.44269504088896340736f;
 
 struct DecodeParams {
   const void* q;
@@ -54,9 +53,6 @@ struct DecodeParams {
   // units per CTA
   int uniform_units = 0;
   int units_per_cta = 0;
-  // Sparse bf16 wgmma kernel: one int32 per (request, row tile), zero between calls. Given,
-  // the CTA that finishes a split request's last part merges it (no merge kernel).
-  int* merge_counts = nullptr;
 };
 
 // The fields every decode entry point (dense and sparse) fills alike: q, the cache, the

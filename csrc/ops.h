@@ -26,7 +26,6 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
                        const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
                        at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse,
                        int64_t num_ctas, int64_t rows_per_cta, double softmax_scale, bool combine,
-                       int64_t uniform_units, int64_t units_per_cta,
-                       const std::optional<at::Tensor>& merge_counts);
+                       int64_t uniform_units, int64_t units_per_cta);
 
 }  // namespace mla_backend

@@ -16,8 +16,7 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
                        const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
                        at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse,
                        int64_t num_ctas, int64_t rows_per_cta, double softmax_scale, bool combine,
-                       int64_t uniform_units, int64_t units_per_cta,
-                       const std::optional<at::Tensor>& merge_counts) {
+                       int64_t uniform_units, int64_t units_per_cta) {
   // Shapes and dtypes were validated by mla_backend.ops; re-check what memory safety needs.
   TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1 && q.scalar_type() == at::kBFloat16,
               "sparse_mla_decode: bad q");
@@ -46,13 +45,6 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
                                      units_per_cta <= groups * topk_units),
               "sparse_mla_decode: a uniform plan needs uniform_units = ceil(topk / 64), no topk_length and "
               "1 <= units_per_cta <= all units");
-  const int64_t row_tiles = (heads + 63) / 64;
-  TORCH_CHECK(!merge_counts.has_value() ||
-                  (merge_counts->scalar_type() == at::kInt && merge_counts->is_contiguous() &&
-                   merge_counts->numel() >= groups * row_tiles && merge_counts->device() == q.device() &&
-                   uniform_units > 0),
-              "sparse_mla_decode: merge_counts must be contiguous int32 with one entry per query group and "
-              "64-row tile on q's device, and only with a uniform plan");
   if (groups == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   DecodeParams p =
@@ -76,13 +68,10 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   p.group_s_q = int(s_q);
   p.uniform_units = int(uniform_units);
   p.units_per_cta = int(units_per_cta);
-  p.merge_counts = merge_counts.has_value() ? merge_counts->data_ptr<int>() : nullptr;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   TORCH_CHECK(rows_per_cta == 64, "sparse_mla_decode: rows_per_cta must be 64, got ", rows_per_cta);
   // combine == false: the plan proved that no group spans CTAs and none is empty (uniform
-  // topk, CTA ranges of whole groups), so every output is written by the attention kernel;
-  // with merge_counts the bf16 wgmma kernel merges split groups itself (the narrow and the
-  // fp8_ds_mla kernels leave them to the merge kernel)
+  // topk, CTA ranges of whole groups), so every output is written by the attention kernel
   launch_sparse_wgmma(p, ds, combine, stream);
 }
 

@@ -20,8 +20,7 @@ TORCH_LIBRARY(mla_backend, m) {
   m.def(
       "sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor metadata, "
       "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, int num_ctas, "
-      "int rows_per_cta, float softmax_scale, bool combine, int uniform_units, int units_per_cta, "
-      "Tensor(e!)? merge_counts=None) -> ()");
+      "int rows_per_cta, float softmax_scale, bool combine, int uniform_units, int units_per_cta) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_backend, CUDA, m) {

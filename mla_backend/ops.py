@@ -429,11 +429,6 @@ class SparsePlan:
     # 0: the planner wrote the schedule into metadata on the GPU.
     uniform_units: int = 0
     units_per_cta: int = 0
-    # Uniform plans whose split requests span at most two CTAs: one int32 per (request, row
-    # tile), zero between calls. The bf16 wgmma kernel (H > 16) then merges those requests
-    # itself (the CTA that finishes a request's last part) and no merge kernel is launched;
-    # the other kernels ignore it.
-    merge_counts: torch.Tensor | None = None
 
 
 @dataclass
@@ -447,14 +442,13 @@ class SparseWorkspace:
     metadata: torch.Tensor
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-    merge_counts: torch.Tensor
 
 
 def sparse_workspace(max_groups: int, num_heads: int, *, device: torch.device | str,
                      num_sms: int | None = None) -> SparseWorkspace:
     """Buffers for plan_sparse_decode(..., workspace=) with batch * s_q <= max_groups and H
-    heads: (max_groups + 2) int32, 2 * CTAs * H float32 rows of 512 partials (about
-    35 MB at H = 128 on a 132-SM GPU) and max_groups * ceil(H / 64) int32 merge counts."""
+    heads: (max_groups + 2) int32 plus 2 * CTAs * H float32 rows of 512 partials (about
+    35 MB at H = 128 on a 132-SM GPU)."""
     if not (isinstance(max_groups, int) and max_groups >= 1):
         raise ValueError(f"max_groups must be a positive int; got {max_groups!r}")
     _check_heads(num_heads)
@@ -467,9 +461,7 @@ def sparse_workspace(max_groups: int, num_heads: int, *, device: torch.device | 
         max_groups=max_groups, num_heads=num_heads, num_sms=sms,
         metadata=torch.zeros(max_groups + 2, dtype=torch.int32, device=device),
         partial_out=torch.empty(2 * ctas * num_heads * D_V, dtype=torch.float32, device=device),
-        partial_lse=torch.empty(2 * ctas * num_heads, dtype=torch.float32, device=device),
-        merge_counts=torch.zeros(max_groups * math.ceil(num_heads / SPARSE_ROWS_PER_CTA),
-                                 dtype=torch.int32, device=device))
+        partial_lse=torch.empty(2 * ctas * num_heads, dtype=torch.float32, device=device))
 
 
 def _device_of(device: torch.device | str) -> torch.device:
@@ -494,62 +486,24 @@ WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H = 3
 SPLIT_FIXED_US = 4.6
 SPLIT_US_PER_MB = 0.69
 BF16_UNIT_US = 2.0
-# A request split over two CTAs and merged by the CTA that finishes last (merge_counts): its
-# partial write, a fence and an atomic, and one partial read by that CTA
-# (docs/kernels/sparse_decode.md, v61)
-IN_KERNEL_MERGE_US = 3.0
-
-
-def _max_parts(groups: int, units_per_req: int, units_per_cta: int) -> int:
-    """The most CTAs one request of a uniform plan spans. Request r starts at unit r * n,
-    at offset (r * n) mod U into its first CTA, and the largest offset spans the most: the
-    offsets are the multiples of gcd(n, U) below U once there are U / gcd of them."""
-    n, u = units_per_req, units_per_cta
-    step = math.gcd(n, u)
-    if groups >= u // step:
-        offset = u - step
-    else:
-        offset = max((r * n) % u for r in range(groups))
-    return (offset + n - 1) // u + 1
 
 
 def _whole_requests_floor(groups: int, units_per_req: int, num_ctas: int, min_units: int,
                           num_heads: int, kv_fp8: bool) -> int:
     """The planner's floor on units per CTA: raised to whole requests per CTA (no request
     split, no merge kernel) when that adds few units to the balanced share, or (bf16 cache)
-    fewer than the split's partials and merge would cost. On a bf16 cache above 16 heads (the
-    wgmma kernel) a third choice is half requests, merged in-kernel, where they fit."""
+    fewer than the split's partials and merge would cost."""
     balanced = max(-(-groups * units_per_req // num_ctas), min_units)
     whole = -(-balanced // units_per_req) * units_per_req
     if kv_fp8:
         limit = (WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H if num_heads < 64
                  else WHOLE_REQUEST_EXTRA_UNITS)
-        return whole if whole - balanced <= limit else min_units
-
-    def merge_kernel_us(units: int) -> float:
-        ctas_used = -(-groups * units_per_req // units)
+    else:
+        ctas_used = -(-groups * units_per_req // balanced)
         partial_mb = ctas_used * num_heads * D_V * 4 / 1e6
-        return max(WHOLE_REQUEST_EXTRA_UNITS * BF16_UNIT_US,
-                   SPLIT_FIXED_US + SPLIT_US_PER_MB * partial_mb)
-
-    if num_heads <= 16:  # the narrow kernel: the merge kernel merges every split
-        whole_pays = BF16_UNIT_US * (whole - balanced) <= merge_kernel_us(balanced)
-        return whole if whole_pays else min_units
-
-    def cost_us(units: int) -> float:
-        if units % units_per_req == 0:
-            split = 0.0
-        elif _max_parts(groups, units_per_req, units) <= 2:
-            split = IN_KERNEL_MERGE_US
-        else:
-            split = merge_kernel_us(units)
-        return BF16_UNIT_US * units + split
-
-    candidates = [balanced, whole]
-    if units_per_req % 2 == 0 and balanced < units_per_req // 2:
-        candidates.append(units_per_req // 2)
-    best = min(sorted(set(candidates), reverse=True), key=cost_us)  # ties: fewer splits
-    return best if best == whole or best > balanced else min_units
+        split_units = (SPLIT_FIXED_US + SPLIT_US_PER_MB * partial_mb) / BF16_UNIT_US
+        limit = max(WHOLE_REQUEST_EXTRA_UNITS, split_units)
+    return whole if whole - balanced <= limit else min_units
 
 
 def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, topk: int, *,
@@ -630,9 +584,6 @@ def plan_sparse_decode(batch: int, num_q_tokens_per_req: int, num_heads: int, to
         needs_combine=not uniform or units_per_cta % units_per_req != 0,
         uniform_units=units_per_req if uniform else 0,
         units_per_cta=units_per_cta if uniform else 0)
-    if (uniform and plan.needs_combine and groups > 0
-            and _max_parts(groups, units_per_req, units_per_cta) <= 2):
-        plan.merge_counts = ws.merge_counts[:groups * math.ceil(num_heads / SPARSE_ROWS_PER_CTA)]
     if not uniform:  # lengths known on the GPU only: the planner kernel reads them there
         _extension.require("plan_sparse_decode")
         torch.ops.mla_backend.plan_sparse_decode(topk_length, plan.metadata,
@@ -751,7 +702,7 @@ def _run_sparse(q, kv, indices, plan, softmax_scale, topk_length, out):
     torch.ops.mla_backend.sparse_mla_decode(
         q, kv, indices, topk_length, plan.metadata, plan.partial_out, plan.partial_lse, out,
         lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(plan.needs_combine),
-        plan.uniform_units, plan.units_per_cta, plan.merge_counts)
+        plan.uniform_units, plan.units_per_cta)
     return out, lse
 
 

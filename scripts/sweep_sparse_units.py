@@ -5,8 +5,7 @@ entries) of one CTA, to tune the planner's rule. Each row's inputs are bench.spa
         [--heads ...] [--s-q 1 2] [--topk 512 2048] [--rounds 2] [--out FILE.json]
 
 Prints, per row, the time at the default floor and at each candidate (see candidates()),
-marking with * the candidates whose plan needs no merge and with + those whose split
-requests the kernel merges itself (plan.merge_counts), and the default's U.
+marking with * the candidates whose plan needs no merge kernel.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ def sweep_row(c, cache: str, rounds: int, budget_ms: float) -> dict:
     want = sparse.reference_out(c)
     times: dict[str, list[float]] = {}
     combine: dict[str, bool] = {}
-    in_kernel: dict[str, bool] = {}
 
     def plan(u):
         return ops.plan_sparse_decode(c.batch, c.s_q, c.H, c.topk, workspace=ws,
@@ -59,14 +57,13 @@ def sweep_row(c, cache: str, rounds: int, budget_ms: float) -> dict:
                 err = common.rel_l2(step(0)[:want.shape[0]], want)
                 assert err < sparse.REL_L2_TOL, (key, err)
                 combine[key] = plan(u).needs_combine
-                in_kernel[key] = plan(u).merge_counts is not None
                 times[key] = []
             times[key].append(common.time_graph(step, c.nsets, budget_ms=budget_ms).us)
     med = {k: statistics.median(v) for k, v in times.items()}
     best = min(med, key=med.get)
     return {"cache": cache, "H": c.H, "s_q": c.s_q, "batch": c.batch, "topk": c.topk,
             "units_per_req": upr, "num_ctas": num_ctas, "us": med, "combine": combine,
-            "in_kernel": in_kernel, "default_units": plan(None).units_per_cta, "best": best}
+            "best": best}
 
 
 def main() -> int:
@@ -87,11 +84,9 @@ def main() -> int:
         row = sweep_row(c, cache, args.rounds, args.budget_ms)
         results.append(row)
         med, best = row["us"], row["best"]
-        mark = {k: "+" if row["in_kernel"][k] else "" if row["combine"][k] else "*" for k in med}
-        cells = " ".join(f"{k}{mark[k]}:{v:.1f}" for k, v in med.items())
+        cells = " ".join(f"{k}{'' if row['combine'][k] else '*'}:{v:.1f}" for k, v in med.items())
         common.log(f"{cache:10s} H={c.H:3d} s_q={c.s_q} b={c.batch:3d} topk={c.topk:4d}"
-                   f"  U {row['default_units']}  best {best} {med[best] / med['default']:.3f}x"
-                   f" | {cells}")
+                   f"  best {best} {med[best] / med['default']:.3f}x | {cells}")
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": common.gpu_name(), "date": common.today(),
                                               "commit": common.git_commit(),

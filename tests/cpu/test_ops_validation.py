@@ -225,11 +225,10 @@ def test_plan_sparse_decode_rejects():
     (64, 8, 132, 16, True, 2),       # ... but not on fp8_ds_mla below 64 heads
     (64, 8, 132, 64, True, 8),
     (32, 8, 132, 64, True, 2),       # 2 -> 8 adds 6 units: stays split on fp8_ds_mla
-    (32, 8, 132, 64, False, 4),      # ... on bf16 half requests, merged in-kernel
-    (32, 8, 132, 32, False, 4),
-    (32, 8, 132, 16, False, 2),      # 16 heads (no in-kernel merge): stays split
-    (64, 32, 132, 64, False, 2),     # the balanced 16 units are half requests already
-    (64, 8, 66, 128, False, 8),      # the balanced share is whole requests already
+    (32, 8, 132, 64, False, 8),      # ... but on bf16 128 CTAs' partials (16.8 MB) cost more
+    (32, 8, 132, 32, False, 2),      # half the partials at 32 heads: stays split
+    (1, 8, 132, 64, False, 2),       # batch 1: 4 CTAs' partials are cheap, stays split
+    (64, 32, 132, 64, False, 2),     # 16 -> 32 adds 16 units: stays split
     (32, 32, 132, 16, False, 2),     # 8 -> 32
     (1, 32, 132, 64, False, 2),      # one request over many CTAs
     (128, 8, 132, 64, False, 8),     # the balanced share is whole requests already
