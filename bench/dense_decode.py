@@ -31,6 +31,11 @@ What is timed, per call (a CUDA graph of many calls, see bench.common.time_graph
   triton_mla      decode_attention_fwd only (it has no metadata; num_kv_splits is host math).
 If a step with its metadata cannot be captured, the kernel is timed with the metadata built
 once outside the graph, and the row says so ('*' in the table).
+Every kernel of a config is built and checked first; then the config times them in --rounds
+rounds (default: one per kernel), each kernel first in turn (bench.common.round_orders), and a
+kernel's time is the median of its rounds (the rounds are in the results file as us_rounds).
+Timed once each and ours always first, a kernel after a pause can run above the power cap's
+sustained clock.
 The per-layer glue vLLM adds around the calls (torch.cat of q, zero-filled outputs) is not
 timed for anyone. Every kernel's time counts only if its output passed the correctness gate
 (rel L2 < 1e-2 against mla_backend.reference.mla_decode on the first requests of set 0).
@@ -70,6 +75,7 @@ Exit status: 0; 1 if ours failed the correctness gate in some row; 2 if the run 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 import traceback
@@ -597,12 +603,13 @@ def bench_config(x: Inputs, kernels: list[str], args: argparse.Namespace,
                  copy_bw: float | None,
                  builders: dict[str, Callable[[Inputs, argparse.Namespace], Kernel]] = BUILDERS
                  ) -> tuple[BenchRow, bool]:
-    """Returns the row and whether ours failed the correctness gate."""
+    """Builds and checks every kernel, then times them in args.rounds rounds, each kernel
+    first in turn (common.round_orders); a kernel's time is the median of its rounds.
+    Returns the row and whether ours failed the correctness gate."""
     cfg = {"H": x.H, "s_q": x.s_q, "batch": x.B, "seq_len": x.pool.seq_len,
            "dtype": x.pool.dtype_label}
     row = BenchRow(config=cfg)
-    ours_bad = False
-    lines: list[str] = []
+    lines: dict[str, str] = {}
     try:
         want = reference(x)
     except Exception as e:  # noqa: BLE001
@@ -612,61 +619,94 @@ def bench_config(x: Inputs, kernels: list[str], args: argparse.Namespace,
         if not common.cuda_alive():
             raise CudaBroken(why) from e
         return row, False
+
+    def failed(name: str, e: Exception) -> None:
+        """A kernel that raised: reported in the row, never a made-up time."""
+        row.skipped[name] = common.short_error(e)
+        lines[name] = f"    {name:15s} FAILED: {row.skipped[name]}"
+        built.pop(name, None)
+        if args.verbose:
+            traceback.print_exc()
+        if not common.cuda_alive():
+            for line in lines.values():
+                log(line)
+            raise CudaBroken(f"CUDA context broken after {name} failed: "
+                             f"{row.skipped[name]}") from e
+
+    # (kernel, gate passed, gate message, limit, note) of every kernel that built
+    built: dict[str, tuple[Kernel, bool, str, float, str]] = {}
     for name in kernels:
-        kernel: Kernel | None = None
         try:
             kernel = builders[name](x, args)
             tol = REL_L2_TOL if kernel.tol is None else kernel.tol
             ok, msg = _check(kernel, want if kernel.want is None else kernel.want(), tol)
-            note = ""
-            if tol != REL_L2_TOL:
-                note = f"correctness limit rel L2 {tol:g} (--fp8-peer-tol), not {REL_L2_TOL:g}"
-            try:
-                timing = common.time_graph(kernel.step, x.nsets, budget_ms=args.budget_ms)
-            except common.GraphCaptureError as e:
-                if kernel.step_premeta is None:
-                    raise
-                timing = common.time_graph(kernel.step_premeta, x.nsets,
-                                           budget_ms=args.budget_ms)
-                note = "; ".join(filter(None, [note, f"metadata/plan built outside the graph "
-                                               f"(capture with it failed: {e})"]))
-            if ok:
-                row.us[name] = timing.us
-                if note:
-                    row.notes[name] = note
-            else:
-                row.uncounted_us[name] = timing.us
-                row.skipped[name] = (f"correctness gate failed ({msg}; limit {tol:g}); "
-                                     f"measured {timing.us:.1f} us, not counted")
-                ours_bad |= name == OURS
-            flag = "" if ok else "  <-- CORRECTNESS GATE FAILED"
-            lines.append(f"    {name:15s} {timing.us:9.1f} us  [{msg}; {timing.nsets} sets, "
-                         f"{timing.ncalls} calls/graph, {timing.reps} replays, spread "
-                         f"{100 * timing.spread:.0f}%]{flag}" + (f"  ({note})" if note else ""))
+            note = (f"correctness limit rel L2 {tol:g} (--fp8-peer-tol), not {REL_L2_TOL:g}"
+                    if tol != REL_L2_TOL else "")
+            built[name] = (kernel, ok, msg, tol, note)
         except NotApplicable as e:
             row.skipped[name] = str(e)
-            lines.append(f"    {name:15s} skipped: {e}")
-        except Exception as e:  # noqa: BLE001 - reported in the row, never a made-up time
-            row.skipped[name] = common.short_error(e)
-            lines.append(f"    {name:15s} FAILED: {row.skipped[name]}")
-            if args.verbose:
-                traceback.print_exc()
-            kernel = None
-            if not common.cuda_alive():
-                for line in lines:
-                    log(line)
-                raise CudaBroken(f"CUDA context broken after {name} failed: "
-                                 f"{row.skipped[name]}") from e
-        finally:
-            kernel = None
+            lines[name] = f"    {name:15s} skipped: {e}"
+        except Exception as e:  # noqa: BLE001
+            failed(name, e)
+    samples: dict[str, list[float]] = {name: [] for name in built}
+    last: dict[str, common.Timing] = {}
+    premeta: set[str] = set()  # kernels timed with their metadata built outside the graph
+    for order in common.round_orders(list(built), args.rounds or max(len(built), 1)):
+        for name in order:
+            if name not in built:
+                continue  # failed in an earlier round
+            kernel, _, _, _, note = built[name]
+            try:
+                if name in premeta:
+                    timing = common.time_graph(kernel.step_premeta, x.nsets,
+                                               budget_ms=args.budget_ms)
+                else:
+                    try:
+                        timing = common.time_graph(kernel.step, x.nsets,
+                                                   budget_ms=args.budget_ms)
+                    except common.GraphCaptureError as e:
+                        if kernel.step_premeta is None:
+                            raise
+                        premeta.add(name)
+                        built[name] = built[name][:4] + ("; ".join(filter(None, [
+                            note, f"metadata/plan built outside the graph (capture with it "
+                                  f"failed: {e})"])),)
+                        timing = common.time_graph(kernel.step_premeta, x.nsets,
+                                                   budget_ms=args.budget_ms)
+                samples[name].append(timing.us)
+                last[name] = timing
+            except Exception as e:  # noqa: BLE001
+                failed(name, e)
+    ours_bad = False
+    for name, (_, ok, msg, tol, note) in built.items():
+        us_list = samples[name]
+        us = statistics.median(us_list)
+        row.us_rounds[name] = us_list
+        if ok:
+            row.us[name] = us
+            if note:
+                row.notes[name] = note
+        else:
+            row.uncounted_us[name] = us
+            row.skipped[name] = (f"correctness gate failed ({msg}; limit {tol:g}); "
+                                 f"measured {us:.1f} us, not counted")
+            ours_bad |= name == OURS
+        t = last[name]
+        flag = "" if ok else "  <-- CORRECTNESS GATE FAILED"
+        lines[name] = (f"    {name:15s} {us:9.1f} us  [{msg}; {t.nsets} sets, {t.ncalls} "
+                       f"calls/graph, {t.reps} replays; rounds "
+                       + " ".join(f"{v:.1f}" for v in us_list) + f"]{flag}"
+                       + (f"  ({note})" if note else ""))
+    built.clear()
     if OURS in kernels and OURS not in row.us and OURS not in row.skipped:
         row.skipped[OURS] = "not run"
     tokens = x.pool.tokens
     flops = 2.0 * x.H * x.s_q * tokens * (D_QK + D_V)
     nbytes = tokens * D_QK * x.pool.cache.element_size() + x.T * x.H * (D_QK + D_V) * 2.0
     row.finalize(flops, nbytes, copy_bw)
-    for line in lines:
-        log(line)
+    for name in kernels:
+        if name in lines:
+            log(lines[name])
     return row, ours_bad
 
 
@@ -805,6 +845,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "default FLASH_ATTN_MLA block size)")
     ap.add_argument("--budget-ms", type=float, default=None,
                     help="GPU time per kernel timing (default 60, --quick 40)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="timing rounds per config, each kernel first in turn; the median "
+                         "counts (default: one per kernel, so each is first once)")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--fp8", action="store_true",
                     help="after the bf16 matrix, the fp8 block: per-tensor fp8 e4m3 cache, ours "
@@ -818,6 +861,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "probabilities to e4m3, which no reference models)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks for failures")
     args = ap.parse_args(argv)
+    if args.rounds < 0:
+        ap.error(f"--rounds must be >= 1 (or 0: one per kernel); got {args.rounds}")
     peers = [p for p in args.peers.split(",") if p]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
