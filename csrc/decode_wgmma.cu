@@ -810,8 +810,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       // bf16 sparse: the next piece's first two entries, loaded during this piece's last pair
       // (loaded at the next piece's start, a new request's index loads stood between the last
       // pair's fills and the next piece's first; docs/kernels/sparse_decode.md, v34)
-      // (and, v62, its second pair's two: see the piece start below)
-      int carry_a = -1, carry_b = -1, carry_c = -1, carry_d = -1;
+      int carry_a = -1, carry_b = -1;
       bool carried = false;
       int r = request_of(u_begin);
       for (int u = u_begin; u < u_end;) {
@@ -839,16 +838,18 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           if constexpr (kSparse) return entry >= 0 && entry < p.num_slots ? entry : -1;
           else return entry >= 0 ? entry * kPage + prod.tk : -1;
         };
-        // bf16 sparse: the second pair's entries are loaded with the first's (or carried with
-        // them). Loaded in the first pair's iteration, they were a second index load in series
-        // before the piece's first fill, since the bf16 source checks them at once (v62).
-        constexpr bool kSecondPairEarly = kSrc == KeySource::kSparse16;
+        // bf16 sparse over a cache larger than L2 (kPrefetch: the decode batches): the second
+        // pair's entries are loaded with the first's. Loaded in the first pair's iteration,
+        // they were a second index load in series before the piece's first fill, since the
+        // bf16 source checks them at once. Decode at batch 32 -1.5 to -3.5%; in the other
+        // instance the prefill at H = 64, 8k measured +0.8 to +1.5%, so it keeps its code (v62).
+        constexpr bool kSecondPairEarly = kSrc == KeySource::kSparse16 && kPrefetch;
         int slot_a, slot_b, second_a = -1, second_b = -1;
         if constexpr (kSecondPairEarly) {
           const int entry_a = carried ? carry_a : fetch(pg_begin);
           const int entry_b = pg_begin + 1 < pg_end ? (carried ? carry_b : fetch(pg_begin + 1)) : -1;
-          second_a = pg_begin + 2 < pg_end ? (carried ? carry_c : fetch(pg_begin + 2)) : -1;
-          second_b = pg_begin + 3 < pg_end ? (carried ? carry_d : fetch(pg_begin + 3)) : -1;
+          second_a = pg_begin + 2 < pg_end ? fetch(pg_begin + 2) : -1;
+          second_b = pg_begin + 3 < pg_end ? fetch(pg_begin + 3) : -1;
           slot_a = slot_from(entry_a);
           slot_b = pg_begin + 1 < pg_end ? slot_from(entry_b) : -1;
         } else {
@@ -871,8 +872,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
               const int nlen = sparse_group_len(p, nr);
               carry_a = prod.tk < nlen ? __ldg(nlist + prod.tk) : -1;
               carry_b = kKeys + prod.tk < nlen ? __ldg(nlist + kKeys + prod.tk) : -1;
-              carry_c = 2 * kKeys + prod.tk < nlen ? __ldg(nlist + 2 * kKeys + prod.tk) : -1;
-              carry_d = 3 * kKeys + prod.tk < nlen ? __ldg(nlist + 3 * kKeys + prod.tk) : -1;
               carried = true;
             }
           }
