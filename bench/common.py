@@ -1,7 +1,8 @@
 """Reusable parts of the side-by-side benchmarks (bench/*.py).
 
 - CUDA-graph timing of one "step" callable rotating over several input sets (time_graph)
-- the order of side-by-side timing rounds, each kernel first in turn (round_orders)
+- the order of side-by-side timing rounds, each kernel first in turn (round_orders), and
+  timing in those rounds (time_in_rounds)
 - device copy bandwidth (copy_bandwidth_gbs)
 - rotating-set sizing against the L2 cache (rotating_sets)
 - result rows, the results file in design.md's shape, and the printed table (BenchRow,
@@ -188,6 +189,25 @@ def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
         raise ValueError(f"rounds must be >= 1; got {rounds}")
     n = len(names)
     return [[names[(i + j) % n] for j in range(n)] for i in range(rounds)] if n else []
+
+
+def time_in_rounds(timers: dict[str, Callable[[], Timing]], rounds: int,
+                   failed: Callable[[str, Exception], None]) -> dict[str, list[Timing]]:
+    """Call each kernel's timer once per round, in round_orders' order. A timer that raises
+    is reported through failed(name, e) (which may raise in turn) and not called again.
+    Returns the timings, one per round, of the kernels that never failed."""
+    timings: dict[str, list[Timing]] = {name: [] for name in timers}
+    dead: set[str] = set()
+    for order in round_orders(list(timers), rounds):
+        for name in order:
+            if name in dead:
+                continue
+            try:
+                timings[name].append(timers[name]())
+            except Exception as e:  # noqa: BLE001 - the caller reports it
+                dead.add(name)
+                failed(name, e)
+    return {name: t for name, t in timings.items() if name not in dead}
 
 
 def copy_bandwidth_gbs(nbytes: int = 2**30, reps: int = 10) -> float:

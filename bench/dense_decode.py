@@ -624,7 +624,6 @@ def bench_config(x: Inputs, kernels: list[str], args: argparse.Namespace,
         """A kernel that raised: reported in the row, never a made-up time."""
         row.skipped[name] = common.short_error(e)
         lines[name] = f"    {name:15s} FAILED: {row.skipped[name]}"
-        built.pop(name, None)
         if args.verbose:
             traceback.print_exc()
         if not common.cuda_alive():
@@ -648,38 +647,28 @@ def bench_config(x: Inputs, kernels: list[str], args: argparse.Namespace,
             lines[name] = f"    {name:15s} skipped: {e}"
         except Exception as e:  # noqa: BLE001
             failed(name, e)
-    samples: dict[str, list[float]] = {name: [] for name in built}
-    last: dict[str, common.Timing] = {}
-    premeta: set[str] = set()  # kernels timed with their metadata built outside the graph
-    for order in common.round_orders(list(built), args.rounds or max(len(built), 1)):
-        for name in order:
-            if name not in built:
-                continue  # failed in an earlier round
-            kernel, _, _, _, note = built[name]
-            try:
-                if name in premeta:
-                    timing = common.time_graph(kernel.step_premeta, x.nsets,
-                                               budget_ms=args.budget_ms)
-                else:
-                    try:
-                        timing = common.time_graph(kernel.step, x.nsets,
-                                                   budget_ms=args.budget_ms)
-                    except common.GraphCaptureError as e:
-                        if kernel.step_premeta is None:
-                            raise
-                        premeta.add(name)
-                        built[name] = built[name][:4] + ("; ".join(filter(None, [
-                            note, f"metadata/plan built outside the graph (capture with it "
-                                  f"failed: {e})"])),)
-                        timing = common.time_graph(kernel.step_premeta, x.nsets,
-                                                   budget_ms=args.budget_ms)
-                samples[name].append(timing.us)
-                last[name] = timing
-            except Exception as e:  # noqa: BLE001
-                failed(name, e)
+    capture_notes: dict[str, str] = {}  # kernels timed with metadata built outside the graph
+
+    def timer(name: str, kernel: Kernel) -> Callable[[], common.Timing]:
+        def run() -> common.Timing:
+            if name not in capture_notes:
+                try:
+                    return common.time_graph(kernel.step, x.nsets, budget_ms=args.budget_ms)
+                except common.GraphCaptureError as e:
+                    if kernel.step_premeta is None:
+                        raise
+                    capture_notes[name] = (f"metadata/plan built outside the graph (capture "
+                                           f"with it failed: {e})")
+            return common.time_graph(kernel.step_premeta, x.nsets, budget_ms=args.budget_ms)
+        return run
+
+    timings = common.time_in_rounds({name: timer(name, b[0]) for name, b in built.items()},
+                                    args.rounds or max(len(built), 1), failed)
     ours_bad = False
-    for name, (_, ok, msg, tol, note) in built.items():
-        us_list = samples[name]
+    for name, ts in timings.items():
+        _, ok, msg, tol, note = built[name]
+        note = "; ".join(filter(None, [note, capture_notes.get(name, "")]))
+        us_list = [t.us for t in ts]
         us = statistics.median(us_list)
         row.us_rounds[name] = us_list
         if ok:
@@ -691,13 +680,13 @@ def bench_config(x: Inputs, kernels: list[str], args: argparse.Namespace,
             row.skipped[name] = (f"correctness gate failed ({msg}; limit {tol:g}); "
                                  f"measured {us:.1f} us, not counted")
             ours_bad |= name == OURS
-        t = last[name]
+        t = ts[-1]
         flag = "" if ok else "  <-- CORRECTNESS GATE FAILED"
         lines[name] = (f"    {name:15s} {us:9.1f} us  [{msg}; {t.nsets} sets, {t.ncalls} "
                        f"calls/graph, {t.reps} replays; rounds "
                        + " ".join(f"{v:.1f}" for v in us_list) + f"]{flag}"
                        + (f"  ({note})" if note else ""))
-    built.clear()
+    built.clear()  # the kernels and their buffers go before the next config is built
     if OURS in kernels and OURS not in row.us and OURS not in row.skipped:
         row.skipped[OURS] = "not run"
     tokens = x.pool.tokens

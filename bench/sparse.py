@@ -227,19 +227,10 @@ def bench_case(c: Case, kernels, args, copy_bw) -> BenchRow:
             log(f"    {name:9s} skipped: {e}")
         except Exception as e:  # noqa: BLE001 - reported in the row
             failed(name, e)
-    samples: dict[str, list[float]] = {name: [] for name in built}
-    for order in common.round_orders(list(built), args.rounds):
-        for name in order:
-            if name in row.skipped:
-                continue
-            try:
-                samples[name].append(common.time_graph(built[name].step, c.nsets,
-                                                       budget_ms=args.budget_ms).us)
-            except Exception as e:  # noqa: BLE001 - reported in the row
-                failed(name, e)
-    for name, us_list in samples.items():
-        if name in row.skipped:
-            continue
+    timers = {name: (lambda k=k: common.time_graph(k.step, c.nsets, budget_ms=args.budget_ms))
+              for name, k in built.items()}
+    for name, timings in common.time_in_rounds(timers, args.rounds, failed).items():
+        us_list = [t.us for t in timings]
         us, err = statistics.median(us_list), errors[name]
         line = (f"    {name:9s} {us:9.1f} us  [rel L2 {err:.1e}; {c.nsets} sets; rounds "
                 + " ".join(f"{v:.1f}" for v in us_list) + "]")

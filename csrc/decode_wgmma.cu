@@ -843,7 +843,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         // they were a second index load in series before the piece's first fill, since the
         // bf16 source checks them at once. Decode at batch 32 -1.5 to -3.5%; in the other
         // instance the prefill at H = 64, 8k measured +1.5% over three calls (code generation:
-        // only a CTA's first piece gains there), so that instance keeps its code (v62).
+        // only a CTA's first piece gains there), so that instance keeps its code (v62). The
+        // else branch is the original code as it was: one form for both changed other SASS.
         constexpr bool kSecondPairEarly = kSrc == KeySource::kSparse16 && kPrefetch;
         int slot_a, slot_b, second_a = -1, second_b = -1;
         if constexpr (kSecondPairEarly) {

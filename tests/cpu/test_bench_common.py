@@ -44,3 +44,25 @@ def test_results_carry_rounds_only_when_timed_in_rounds(tmp_path):
     assert rows[1]["us_rounds"] == {"ours": [19.5, 20.5], "flashmla": [19.0, 19.0]}
     assert rows[0]["speedup_vs_best_peer"] == pytest.approx(1.2)
     assert rows[1]["speedup_vs_best_peer"] == pytest.approx(0.95)
+
+
+def test_time_in_rounds_follows_round_orders_and_drops_a_failing_kernel():
+    calls: list[str] = []
+    fails: list[str] = []
+
+    def timer(name, us_per_call):
+        def run():
+            calls.append(name)
+            us = us_per_call[calls.count(name) - 1]
+            if us is None:
+                raise RuntimeError(f"{name} broke")
+            return common.Timing(us=us, ncalls=4, reps=3, nsets=2, spread=0.0)
+        return run
+
+    timers = {"ours": timer("ours", [1.0, 2.0, 3.0]), "flashmla": timer("flashmla", [5.0, None]),
+              "fa3": timer("fa3", [7.0, 8.0, 9.0])}
+    got = common.time_in_rounds(timers, 3, lambda name, e: fails.append(f"{name}: {e}"))
+    assert calls == ["ours", "flashmla", "fa3", "flashmla", "fa3", "ours", "fa3", "ours"]
+    assert fails == ["flashmla: flashmla broke"]  # reported once, then not timed again
+    assert {k: [t.us for t in v] for k, v in got.items()} == {"ours": [1.0, 2.0, 3.0],
+                                                             "fa3": [7.0, 8.0, 9.0]}
