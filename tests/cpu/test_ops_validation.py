@@ -111,13 +111,6 @@ def test_decode_workspace_rejects():
         ops.decode_workspace(4, 1, 16, device="cpu")
 
 
-def test_probe_scale_rejects():
-    with pytest.raises(ValueError, match="x must be a contiguous float32 tensor; got .*float16"):
-        ops.probe_scale(torch.zeros(4, dtype=torch.float16), 2.0)
-    with pytest.raises(ValueError, match="x must be on a CUDA device"):
-        ops.probe_scale(torch.zeros(4), 2.0)
-
-
 def test_missing_extension_error_names_the_op_and_the_build(monkeypatch, tmp_path):
     monkeypatch.setitem(_extension._state, "loaded", False)
     monkeypatch.setitem(_extension._state, "error", None)
@@ -213,7 +206,7 @@ def test_plan_sparse_decode_rejects():
     with pytest.raises(ValueError, match="kv_cache_dtype must be torch.bfloat16 or torch.uint8"):
         ops.plan_sparse_decode(2, 1, 16, 64, device="cpu", kv_cache_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="min_units_per_cta must be a positive int; got 0"):
-        ops.plan_sparse_decode(2, 1, 16, 64, device="cpu", min_units_per_cta=0)
+        ops.plan_sparse_decode(2, 1, 16, 64, device="cpu", _min_units_per_cta=0)
     with pytest.raises(ValueError, match="max_groups must be a positive int"):
         ops.sparse_workspace(0, 16, device="cpu")
 

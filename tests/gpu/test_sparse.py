@@ -94,7 +94,7 @@ def _check_decode(batch, s_q, heads, topk, fmt, min_units_per_cta=None, **kw):
     q, cache, idx, length = _case(batch, s_q, heads, topk, fmt, **kw)
     scale = 576 ** -0.5
     plan = ops.plan_sparse_decode(batch, s_q, heads, topk, topk_length=length, device="cuda",
-                                  kv_cache_dtype=cache.dtype, min_units_per_cta=min_units_per_cta)
+                                  kv_cache_dtype=cache.dtype, _min_units_per_cta=min_units_per_cta)
     out = torch.full((batch, s_q, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     got, lse = ops.sparse_mla_decode(q, cache, idx, plan, scale, topk_length=length, out=out)
     assert got.data_ptr() == out.data_ptr()
@@ -214,7 +214,7 @@ def _planner_schedule(batch, s_q, topk, num_ctas, min_units):
 def test_decode_uniform_plan_more_groups_than_ctas_split(fmt, heads):
     """A uniform plan (no topk_length) whose CTAs split groups, with more groups than CTAs:
     the kernels and the by-CTA merge take the schedule from its closed form."""
-    plan = ops.plan_sparse_decode(100, 2, heads, 640, device="cuda", min_units_per_cta=16)
+    plan = ops.plan_sparse_decode(100, 2, heads, 640, device="cuda", _min_units_per_cta=16)
     assert plan.uniform_units == 10 and plan.needs_combine
     assert plan.units_per_cta % 10 != 0 and 200 > plan.num_ctas + 2
     _check_decode(100, 2, heads, 640, fmt, min_units_per_cta=16, num_blocks=80)
@@ -251,7 +251,7 @@ def test_plan_needs_combine_matches_the_device_plan():
 def test_decode_whole_request_and_split_schedules(fmt, heads, min_units):
     """The same inputs under a schedule of whole requests per CTA (8 units: no merge), of
     requests split at odd places (3), and of two requests per CTA (16)."""
-    plan = ops.plan_sparse_decode(8, 2, heads, 512, device="cuda", min_units_per_cta=min_units)
+    plan = ops.plan_sparse_decode(8, 2, heads, 512, device="cuda", _min_units_per_cta=min_units)
     assert plan.needs_combine == (min_units == 3)
     _check_decode(8, 2, heads, 512, fmt, min_units_per_cta=min_units, num_blocks=40)
 

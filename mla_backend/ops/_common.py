@@ -1,0 +1,68 @@
+"""What the dense and the sparse ops share: the shapes every kernel takes, the argument checks
+(ValueError / TypeError naming the argument, its shape and dtype) and the output allocation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+D_QK = 576  # query / key width: 512 latent + 64 rope
+D_V = 512  # output width: the latent part
+PAGE_SIZE = 64  # tokens per cache block (vLLM's block_size)
+MAX_HEADS = 128
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} dtype {t.dtype} device {t.device}"
+
+
+def _require_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    return t
+
+
+def _require(cond: bool, name: str, t: torch.Tensor, what: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} {what}; got {_describe(t)}")
+
+
+def _require_cuda(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device; got {_describe(t)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _require_hopper(op: str, device: torch.device) -> None:
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        raise RuntimeError(
+            f"mla_backend.ops.{op} runs on Hopper GPUs (compute capability 9.x, sm_90a); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
+
+
+def _check_heads(num_heads) -> None:
+    if not (isinstance(num_heads, int) and 1 <= num_heads <= MAX_HEADS):
+        raise ValueError(f"num_heads must be an int in [1, {MAX_HEADS}]; got {num_heads!r}")
+
+
+def _check_softmax_scale(softmax_scale) -> None:
+    if not (isinstance(softmax_scale, (float, int)) and math.isfinite(softmax_scale)
+            and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float; got {softmax_scale!r}")
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _out_and_lse(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, s_q, H, 512] in q's dtype (the caller's, already checked, or new) and a new
+    lse [B, s_q, H] float32, for q [B, s_q, H, 576]."""
+    batch, s_q, heads, _ = q.shape
+    if out is None:
+        out = torch.empty(batch, s_q, heads, D_V, dtype=q.dtype, device=q.device)
+    return out, torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)

@@ -1,0 +1,53 @@
+"""The measured costs the planners schedule by.
+
+A plan spreads work units (32 or 64 keys of a dense request, 64 index entries of a sparse
+one) over one wave of CTAs. Two rules come from measurements: every CTA gets at least
+MIN_TOKENS_PER_CTA keys of work, and a sparse plan of equal-length requests rounds each CTA's
+share up to whole requests (no request split over CTAs, so no merge kernel) when that costs
+less than the split would.
+"""
+
+from __future__ import annotations
+
+from ._common import D_V
+
+# Swept on the H200 for dense decode: 64 helped batch 1 at 1k keys but hurt it at 16k, and 256
+# hurt batch 1 at every length.
+MIN_TOKENS_PER_CTA = 128
+
+# Measured on the H100 for sparse decode: splitting a request over CTAs (a partial write per
+# CTA, the merge kernel's launch and read) costs about 4 units of one CTA's time on a bf16
+# cache at H >= 64, and 3 on an fp8_ds_mla cache below 64 heads.
+WHOLE_REQUEST_EXTRA_UNITS = 4
+WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H = 3
+
+# Measured on the H100 for sparse decode on a bf16 cache (H = 32 and 64, batch 32): a split
+# costs about 4.6 us plus 0.69 us per MB of float32 partials, against 2.0 us per unit of one
+# CTA.
+SPLIT_FIXED_US = 4.6
+SPLIT_US_PER_MB = 0.69
+BF16_UNIT_US = 2.0
+
+
+def _min_units(unit_tokens: int) -> int:
+    """The least work of one CTA, in units of unit_tokens keys."""
+    return -(-MIN_TOKENS_PER_CTA // unit_tokens)
+
+
+def _whole_requests_floor(groups: int, units_per_req: int, num_ctas: int, min_units: int,
+                          num_heads: int, kv_fp8: bool) -> int:
+    """The sparse planner's floor on units per CTA for `groups` requests of units_per_req
+    units each: raised to whole requests per CTA (no request split, no merge kernel) when
+    that adds few units to the balanced share, or (bf16 cache) fewer than the split's
+    partials and merge would cost; else min_units."""
+    balanced = max(-(-groups * units_per_req // num_ctas), min_units)
+    whole = -(-balanced // units_per_req) * units_per_req
+    if kv_fp8:
+        limit = (WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H if num_heads < 64
+                 else WHOLE_REQUEST_EXTRA_UNITS)
+    else:
+        ctas_used = -(-groups * units_per_req // balanced)
+        partial_mb = ctas_used * num_heads * D_V * 4 / 1e6
+        split_units = (SPLIT_FIXED_US + SPLIT_US_PER_MB * partial_mb) / BF16_UNIT_US
+        limit = max(WHOLE_REQUEST_EXTRA_UNITS, split_units)
+    return whole if whole - balanced <= limit else min_units

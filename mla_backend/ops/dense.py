@@ -1,0 +1,318 @@
+"""Dense paged MLA decode: the split-KV planner (plan_decode, decode_workspace) and the
+attention op (mla_decode). Float32 twin: mla_backend.reference.mla_decode."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import _extension
+from ._common import (
+    D_QK,
+    D_V,
+    MAX_HEADS,
+    PAGE_SIZE,
+    _check_heads,
+    _check_softmax_scale,
+    _describe,
+    _num_sms,
+    _out_and_lse,
+    _require,
+    _require_cuda,
+    _require_hopper,
+    _require_tensor,
+)
+from .cost_model import _min_units
+
+MAX_Q_TOKENS_PER_REQ = 8
+_QUERY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class DecodePlan:
+    """Split-KV schedule of one decode step, shared by every layer of that step.
+
+    metadata (int32 [batch + 2], on the GPU): unit prefix sums P[0..batch] (request b owns
+    work units [P[b], P[b+1]), a unit = unit_tokens keys) and, at [batch + 1], the units
+    per CTA. CTA c of a grid of num_ctas processes units [c * U, (c + 1) * U): the schedule
+    is a closed form of P and U, so the planner is one small kernel with no host sync.
+    partial_out / partial_lse hold the results of requests that span CTAs (two slots per
+    CTA: its first and its last request) until the combine kernel merges them.
+    All tensors can be kept across steps: plan_decode(..., out=plan) refills them in place
+    (what a CUDA graph needs).
+    """
+
+    batch: int
+    q_tokens_per_req: int
+    num_heads: int
+    kv_fp8: bool
+    rows_per_cta: int
+    unit_tokens: int
+    num_ctas: int
+    metadata: torch.Tensor
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.q_tokens_per_req * self.num_heads
+
+
+def _tile(rows: int) -> tuple[int, int, int]:
+    """(rows per CTA, tokens per work unit, CTAs per SM) of the kernel serving `rows` query
+    rows, for a 16-bit and a per-tensor fp8 cache alike (both kernels convert fp8 pages in
+    shared memory). Up to 16 rows: the mma.sync kernel, so few heads (TP8 / TP16) pay for no
+    padded rows (16-row tiles, two CTAs per SM); more: the wgmma kernel, 64-row tiles, one
+    64-token page per unit. Must agree with the kernels' shared memory."""
+    if rows <= 16:
+        return 16, 32, 2
+    return 64, 64, 1
+
+
+def _grid(rows: int, num_sms: int) -> tuple[int, int, int]:
+    """(rows per CTA, tokens per unit, CTAs) of one step: one wave, every CTA the same number
+    of units (the planner's closed form)."""
+    rows_per_cta, unit_tokens, ctas_per_sm = _tile(rows)
+    m_tiles = math.ceil(rows / rows_per_cta)
+    return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
+
+
+def _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype) -> torch.Tensor:
+    seq_lens = _require_tensor("seq_lens", seq_lens)
+    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+             "seq_lens", seq_lens, "must be a contiguous 1-D int32 tensor [batch]")
+    _check_plan_sizes(num_q_tokens_per_req, num_heads, kv_cache_dtype)
+    _require_cuda({"seq_lens": seq_lens}, seq_lens.device)
+    return seq_lens
+
+
+def _check_plan_sizes(num_q_tokens_per_req, num_heads, kv_cache_dtype) -> None:
+    if not (isinstance(num_q_tokens_per_req, int)
+            and 1 <= num_q_tokens_per_req <= MAX_Q_TOKENS_PER_REQ):
+        raise ValueError(f"num_q_tokens_per_req must be an int in [1, {MAX_Q_TOKENS_PER_REQ}]; "
+                         f"got {num_q_tokens_per_req!r}")
+    _check_heads(num_heads)
+    if kv_cache_dtype not in (None, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        raise TypeError(f"kv_cache_dtype must be None, bfloat16, float16 or float8_e4m3fn; "
+                        f"got {kv_cache_dtype}")
+
+
+@dataclass
+class DecodeWorkspace:
+    """Caller-owned buffers from which plan_decode(..., workspace=ws) makes every plan of a
+    model's decode steps: any batch up to max_batch and any s_q up to max_q_tokens_per_req,
+    for num_heads heads and one cache dtype. Allocate it once (e.g. in vLLM's metadata
+    builder); its addresses never change, so CUDA graphs captured for any batch size replay
+    against the plan of the current step. Plans made from one workspace share its memory:
+    a plan is valid until the next plan_decode on the same workspace (one plan per step,
+    used by every layer of that step, is the intended use)."""
+
+    max_batch: int
+    max_q_tokens_per_req: int
+    num_heads: int
+    kv_fp8: bool
+    num_sms: int
+    metadata: torch.Tensor
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    plans: dict
+
+    def plan_view(self, batch: int, s_q: int) -> DecodePlan:
+        """The plan object of (batch, s_q) over this workspace's memory (cached)."""
+        plan = self.plans.get((batch, s_q))
+        if plan is None:
+            rows = s_q * self.num_heads
+            rows_per_cta, unit_tokens, num_ctas = _grid(rows, self.num_sms)
+            plan = DecodePlan(
+                batch=batch, q_tokens_per_req=s_q, num_heads=self.num_heads, kv_fp8=self.kv_fp8,
+                rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
+                metadata=self.metadata[:batch + 2],
+                partial_out=self.partial_out[:2 * num_ctas * rows * D_V].view(
+                    2 * num_ctas, rows, D_V),
+                partial_lse=self.partial_lse[:2 * num_ctas * rows].view(2 * num_ctas, rows))
+            self.plans[(batch, s_q)] = plan
+        return plan
+
+
+def _workspace(max_batch: int, q_tokens: range | list[int], num_heads: int, kv_fp8: bool,
+               device: torch.device, num_sms: int) -> DecodeWorkspace:
+    """Buffers for every plan with batch <= max_batch and s_q in q_tokens."""
+    part_rows = max(2 * _grid(s_q * num_heads, num_sms)[2] * s_q * num_heads
+                    for s_q in q_tokens)
+    return DecodeWorkspace(
+        max_batch=max_batch, max_q_tokens_per_req=max(q_tokens), num_heads=num_heads,
+        kv_fp8=kv_fp8, num_sms=num_sms,
+        metadata=torch.zeros(max_batch + 2, dtype=torch.int32, device=device),
+        partial_out=torch.empty(part_rows * D_V, dtype=torch.float32, device=device),
+        partial_lse=torch.empty(part_rows, dtype=torch.float32, device=device), plans={})
+
+
+def decode_workspace(max_batch: int, max_q_tokens_per_req: int, num_heads: int, *,
+                     device: torch.device | str, kv_cache_dtype: torch.dtype | None = None,
+                     num_sms: int | None = None) -> DecodeWorkspace:
+    """Allocate the buffers of every plan with batch <= max_batch, s_q <= max_q_tokens_per_req,
+    num_heads heads and this cache dtype (None or 16-bit: the 16-bit kernels;
+    torch.float8_e4m3fn: the fp8 kernel). Size: (max_batch + 2) int32 plus the split
+    partials, at most about 35 MB (H = 128) on a 132-SM GPU."""
+    if not (isinstance(max_batch, int) and max_batch >= 1):
+        raise ValueError(f"max_batch must be a positive int; got {max_batch!r}")
+    _check_plan_sizes(max_q_tokens_per_req, num_heads, kv_cache_dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device; got {device}")
+    sms = num_sms if num_sms is not None else _num_sms(device)
+    return _workspace(max_batch, range(1, max_q_tokens_per_req + 1), num_heads,
+                      kv_cache_dtype == torch.float8_e4m3fn, device, sms)
+
+
+def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: int, *,
+                kv_cache_dtype: torch.dtype | None = None, num_sms: int | None = None,
+                out: DecodePlan | None = None,
+                workspace: DecodeWorkspace | None = None) -> DecodePlan:
+    """Plan one decode step: seq_lens int32 [B] on the GPU (no host sync); s_q query tokens
+    per request; num_heads query heads; kv_cache_dtype the cache's dtype (None: q's;
+    torch.float8_e4m3fn selects the fp8 kernel). Pass `out` (an earlier plan of the same
+    B, s_q, H and cache dtype) to refill its buffers in place, or `workspace` (from
+    decode_workspace) to plan into caller-owned buffers shared by all batch sizes."""
+    seq_lens = _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype)
+    if out is not None and workspace is not None:
+        raise ValueError("pass at most one of out and workspace")
+    device = seq_lens.device
+    batch = seq_lens.shape[0]
+    kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
+    if out is not None:
+        if (out.batch, out.q_tokens_per_req, out.num_heads, out.kv_fp8) != (
+                batch, num_q_tokens_per_req, num_heads, kv_fp8):
+            raise ValueError(
+                f"out plan is for batch {out.batch}, s_q {out.q_tokens_per_req}, "
+                f"H {out.num_heads}, fp8 cache {out.kv_fp8}; this step has batch {batch}, "
+                f"s_q {num_q_tokens_per_req}, H {num_heads}, fp8 cache {kv_fp8}")
+        plan = out
+    elif workspace is not None:
+        ws = workspace
+        if not isinstance(ws, DecodeWorkspace):
+            raise TypeError(f"workspace must be a DecodeWorkspace from decode_workspace; got "
+                            f"{type(ws).__name__}")
+        if (batch > ws.max_batch or num_q_tokens_per_req > ws.max_q_tokens_per_req
+                or num_heads != ws.num_heads or kv_fp8 != ws.kv_fp8):
+            raise ValueError(
+                f"workspace holds plans of batch <= {ws.max_batch}, s_q <= "
+                f"{ws.max_q_tokens_per_req}, H {ws.num_heads}, fp8 cache {ws.kv_fp8}; this step "
+                f"has batch {batch}, s_q {num_q_tokens_per_req}, H {num_heads}, fp8 cache {kv_fp8}")
+        if ws.metadata.device != device:
+            raise ValueError(f"workspace is on {ws.metadata.device} but seq_lens is on {device}")
+        plan = ws.plan_view(batch, num_q_tokens_per_req)
+    else:  # a plan with buffers of its own: a workspace for exactly this step
+        sms = num_sms if num_sms is not None else _num_sms(device)
+        plan = _workspace(batch, [num_q_tokens_per_req], num_heads, kv_fp8, device,
+                          sms).plan_view(batch, num_q_tokens_per_req)
+    _extension.require("plan_decode")
+    min_units = _min_units(plan.unit_tokens)
+    torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
+                                      plan.unit_tokens)
+    return plan
+
+
+def _check_kv_scale(kv_scale) -> None:
+    if kv_scale is None:
+        raise ValueError("kv_scale is required with a float8_e4m3fn kv_cache (the per-tensor "
+                         "dequantization scale: value = fp8 * kv_scale)")
+    if isinstance(kv_scale, torch.Tensor):
+        _require(kv_scale.numel() == 1 and kv_scale.dtype == torch.float32, "kv_scale",
+                 kv_scale, "must be a 1-element float32 tensor (or a Python float)")
+    elif not (isinstance(kv_scale, (float, int)) and math.isfinite(kv_scale) and kv_scale > 0):
+        raise ValueError(f"kv_scale must be a positive finite float or a 1-element float32 "
+                         f"tensor; got {kv_scale!r}")
+
+
+def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out):
+    q = _require_tensor("q", q)
+    kv_cache = _require_tensor("kv_cache", kv_cache)
+    block_table = _require_tensor("block_table", block_table)
+    seq_lens = _require_tensor("seq_lens", seq_lens)
+    _require(q.dim() == 4 and q.shape[3] == D_QK, "q", q, f"must be [batch, s_q, heads, {D_QK}]")
+    if q.dtype not in _QUERY_DTYPES:
+        raise TypeError(f"q must be bfloat16 or float16; got {_describe(q)}")
+    batch, s_q, heads, _ = q.shape
+    _require(1 <= s_q <= MAX_Q_TOKENS_PER_REQ, "q", q,
+             f"must have s_q (dim 1) in [1, {MAX_Q_TOKENS_PER_REQ}]")
+    _require(1 <= heads <= MAX_HEADS, "q", q, f"must have heads (dim 2) in [1, {MAX_HEADS}]")
+    _require(q.stride(3) == 1 and all(q.stride(i) % 8 == 0 for i in range(3))
+             and q.data_ptr() % 16 == 0, "q", q,
+             "must be 16-byte aligned with a contiguous last dim and 16-byte aligned strides")
+    _require(kv_cache.dim() == 3 and kv_cache.shape[1:] == (PAGE_SIZE, D_QK), "kv_cache",
+             kv_cache, f"must be [num_blocks, {PAGE_SIZE}, {D_QK}]")
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if kv_cache.dtype == torch.uint8:
+        raise TypeError(f"kv_cache is uint8: view a per-tensor fp8 cache as torch.float8_e4m3fn "
+                        f"(kv_cache.view(torch.float8_e4m3fn)); got {_describe(kv_cache)}")
+    if not kv_fp8 and kv_cache.dtype != q.dtype:
+        raise TypeError(f"kv_cache must have q's dtype {q.dtype} or be float8_e4m3fn; got "
+                        f"{_describe(kv_cache)}")
+    if kv_fp8:
+        _check_kv_scale(kv_scale)
+    elif kv_scale is not None:
+        raise ValueError(f"kv_scale applies only to an fp8 kv_cache; kv_cache is {kv_cache.dtype}")
+    _require(kv_cache.stride(2) == 1 and kv_cache.stride(1) % 8 == 0
+             and kv_cache.stride(0) % 8 == 0 and kv_cache.data_ptr() % 16 == 0, "kv_cache",
+             kv_cache, "must be 16-byte aligned with a contiguous last dim and 16-byte aligned "
+             "block/token strides")
+    _require(block_table.dim() == 2 and block_table.dtype == torch.int32
+             and block_table.shape[0] == batch and block_table.stride(1) == 1, "block_table",
+             block_table, f"must be int32 [batch={batch}, max_blocks] with a contiguous last dim")
+    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32
+             and seq_lens.shape[0] == batch and seq_lens.is_contiguous(), "seq_lens", seq_lens,
+             f"must be contiguous int32 [batch={batch}]")
+    if not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan must be a DecodePlan from plan_decode; got {type(plan).__name__}")
+    if (plan.batch, plan.q_tokens_per_req, plan.num_heads) != (batch, s_q, heads):
+        raise ValueError(f"plan is for batch {plan.batch}, s_q {plan.q_tokens_per_req}, "
+                         f"H {plan.num_heads}; q has batch {batch}, s_q {s_q}, H {heads}")
+    if plan.kv_fp8 != kv_fp8:
+        raise ValueError(f"plan was made for {'an fp8' if plan.kv_fp8 else 'a 16-bit'} cache "
+                         f"but kv_cache is {kv_cache.dtype}: pass kv_cache_dtype to plan_decode")
+    _check_softmax_scale(softmax_scale)
+    if out is not None:
+        out = _require_tensor("out", out)
+        _require(out.shape == (batch, s_q, heads, D_V) and out.dtype == q.dtype
+                 and out.is_contiguous(), "out", out,
+                 f"must be contiguous {q.dtype} [{batch}, {s_q}, {heads}, {D_V}]")
+    tensors = {"q": q, "kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens,
+               "plan.metadata": plan.metadata}
+    if isinstance(kv_scale, torch.Tensor):
+        tensors["kv_scale"] = kv_scale
+    if out is not None:
+        tensors["out"] = out
+    _require_cuda(tensors, q.device)
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, plan: DecodePlan, softmax_scale: float,
+               causal: bool = True, kv_scale: torch.Tensor | float | None = None,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense paged MLA decode.
+
+    q [B, s_q, H, 576] bf16/fp16; kv_cache [num_blocks, 64, 576] of q's dtype, or
+    float8_e4m3fn with kv_scale (float, or a 1-element float32 CUDA tensor read on the GPU:
+    value = fp8 * kv_scale; the plan must come from plan_decode(..., kv_cache_dtype=
+    torch.float8_e4m3fn)); a strided cache view is fine (blocks are indexed by stride(0));
+    block_table int32 [B, max_blocks];
+    seq_lens int32 [B] (keys per request, the s_q query tokens included; the caller keeps
+    seq_lens[b] <= 64 * max_blocks). With causal, query i sees keys < seq_len - s_q + i + 1.
+    Returns out [B, s_q, H, 512] (q's dtype) and lse [B, s_q, H] float32 (natural log);
+    rows with no key get out = 0, lse = -inf.
+    """
+    _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out)
+    _extension.require("mla_decode")
+    _require_hopper("mla_decode", q.device)
+    out, lse = _out_and_lse(q, out)
+    torch.ops.mla_backend.mla_decode(
+        q, kv_cache, block_table, seq_lens, plan.metadata, plan.partial_out, plan.partial_lse,
+        out, lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(causal),
+        kv_scale if isinstance(kv_scale, torch.Tensor) else None,
+        float(kv_scale) if kv_scale is not None and not isinstance(kv_scale, torch.Tensor)
+        else 1.0)
+    return out, lse
+
