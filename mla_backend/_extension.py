@@ -7,12 +7,18 @@ torch.ops.load_library, which registers torch.ops.mla_backend.*.
 from __future__ import annotations
 
 import glob
+import json
 import os
+from importlib import metadata
+from urllib.parse import unquote, urlparse
 
 import torch
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-_state: dict[str, object] = {"loaded": False, "error": None}
+# error: why loading failed; elsewhere: that error when the imported copy has no extension
+# but an installed copy has one
+_state: dict[str, object] = {"loaded": False, "error": None, "elsewhere": None}
+INSTALL_IN_PLACE = "python -m pip install --no-build-isolation -e ."
 
 BUILD_HINT = (
     "build it on a machine with torch (CUDA build), nvcc >= 12.3 and nvidia-cutlass: "
@@ -40,8 +46,16 @@ def load() -> bool:
     if _state["error"] is not None:
         return False
     path = extension_path()
+    _state["elsewhere"] = None
     if path is None:
-        _state["error"] = f"no mla_backend/_C*.so next to {_PKG_DIR}"
+        try:
+            elsewhere = _installed_extension_elsewhere()
+        except Exception:  # unreadable package metadata: report the plain error below
+            elsewhere = None
+        if elsewhere is not None:
+            _state["error"] = _state["elsewhere"] = _imported_copy_lacks_it(elsewhere)
+        else:
+            _state["error"] = f"no mla_backend/_C*.so next to {_PKG_DIR}"
         return False
     try:
         torch.ops.load_library(path)
@@ -50,6 +64,65 @@ def load() -> bool:
         return False
     _state["loaded"] = True
     return True
+
+
+def _installed_distributions() -> list:
+    """Every installed mla_backend distribution on sys.path (a source tree run from its root
+    can shadow the one in site-packages)."""
+    return list(metadata.distributions(name="mla_backend"))
+
+
+def _editable_source(dist) -> str | None:
+    """The source tree of an editable install (pip's direct_url.json), else None."""
+    try:
+        info = json.loads(dist.read_text("direct_url.json") or "null")
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(info, dict) and info.get("dir_info", {}).get("editable")):
+        return None
+    url = urlparse(info.get("url", ""))
+    return unquote(url.path) if url.scheme == "file" else None
+
+
+def _installed_extension_elsewhere() -> str | None:
+    """An extension file of an installed mla_backend (in its site-packages copy, or in the
+    source tree of an editable install) outside the package directory being imported."""
+    for dist in _installed_distributions():
+        found = [str(dist.locate_file(f)) for f in dist.files or ()
+                 if f.name.startswith("_C") and f.name.endswith(".so")
+                 and f.parent.name == "mla_backend"]
+        source = _editable_source(dist)
+        if source is not None:
+            found += sorted(glob.glob(os.path.join(source, "mla_backend", "_C*.so")))
+        for path in found:
+            if os.path.isfile(path) and not _same_dir(os.path.dirname(path), _PKG_DIR):
+                return path
+    return None
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _imported_copy_lacks_it(elsewhere: str) -> str:
+    parent = os.path.dirname(_PKG_DIR)
+    tree = ("the source tree " if os.path.exists(os.path.join(parent, "setup.py"))
+            else "")
+    return (f"you are importing mla_backend from {tree}{_PKG_DIR}, which has no built "
+            f"extension; the installed copy at {os.path.dirname(elsewhere)} has one: run from "
+            f"another folder, or install with `{INSTALL_IN_PLACE}` to build in place")
+
+
+def why_unavailable() -> str:
+    """Why the extension is not available and what to do, for error messages that read
+    "... is not available<this>"."""
+    error = load_error()
+    if error is not None and error == _state["elsewhere"]:  # it says what to do
+        return f": {error}"
+    return f" ({error}; install: {build_status()}); {BUILD_HINT}"
 
 
 def build_status() -> str:
@@ -66,8 +139,7 @@ def require(op_name: str) -> None:
     if not load():
         raise ExtensionNotBuiltError(
             f"mla_backend.ops.{op_name} needs the CUDA extension mla_backend._C, which is not "
-            f"available ({_state['error']}; install: {build_status()}); {BUILD_HINT}"
-        )
+            f"available{why_unavailable()}")
 
 
 def is_available() -> bool:

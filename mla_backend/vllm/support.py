@@ -43,8 +43,7 @@ def _platform_reason(block_size: int | None, device_capability) -> str | None:
         return (f"{NAME} kernels run on Hopper GPUs (compute capability 9.x, sm_90a); this GPU "
                 f"is {device_capability.major}.{device_capability.minor}")
     if not _extension.is_available():
-        return (f"{NAME}'s CUDA extension is not available ({_extension.load_error()}; "
-                f"install: {_extension.build_status()}); {_extension.BUILD_HINT}")
+        return f"{NAME}'s CUDA extension is not available{_extension.why_unavailable()}"
     return None
 
 
