@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 from bench import common
-from mla_backend import engines, tiny_model
+from mla_backend.demo import engines, tiny_model
 
 BACKENDS = {"ours": "CUSTOM", "flashmla": "FLASHMLA", "fa3_mla": "FLASH_ATTN_MLA"}
 

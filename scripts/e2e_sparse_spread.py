@@ -12,7 +12,7 @@ import json
 import os
 import pathlib
 
-from mla_backend import engines
+from mla_backend.demo import engines
 from tests.e2e import test_vllm_dense as dense
 from tests.e2e import test_vllm_sparse as sparse
 

@@ -1,7 +1,7 @@
 """engines.compare, the rule the e2e tests and the demo judge backends by, on hand-made
 outputs: positions are compared up to and including the first where greedy tokens part."""
 
-from mla_backend import engines
+from mla_backend.demo import engines
 
 
 def _out(tokens, logprobs):

@@ -17,7 +17,7 @@ def test_entry_point_declared_and_loads():
 def test_register_imports_neither_cuda_nor_our_backend():
     # vLLM's registry imports torch; our kernels, adapters and CUDA stay untouched until a
     # worker selects CUSTOM.
-    code = ("import sys, plugin_entry.vllm_plugin as p; p.register(); p.register(); "
+    code = ("import sys, mla_backend_entry.vllm_plugin as p; p.register(); p.register(); "
             "mods = ('mla_backend._C', 'mla_backend.ops', 'mla_backend.vllm.router', "
             "'mla_backend.vllm.dense'); "
             "import torch; print([m for m in mods if m in sys.modules], "
@@ -29,7 +29,7 @@ def test_register_imports_neither_cuda_nor_our_backend():
 def test_register_leaves_another_custom_backend_in_place():
     code = ("from vllm.v1.attention.backends.registry import AttentionBackendEnum as E, "
             "register_backend; register_backend(E.CUSTOM, 'other.pkg.Backend'); "
-            "import plugin_entry.vllm_plugin as p; p.register(); print(E.CUSTOM.get_path())")
+            "import mla_backend_entry.vllm_plugin as p; p.register(); print(E.CUSTOM.get_path())")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip().splitlines()[-1] == "other.pkg.Backend"
     assert "already registered as other.pkg.Backend" in res.stderr

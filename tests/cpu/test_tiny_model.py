@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mla_backend import tiny_model
+from mla_backend.demo import tiny_model
 
 safetensors = pytest.importorskip("safetensors.torch")
 transformers = pytest.importorskip("transformers")

@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec  # noqa: E402
 from mla_backend import _extension, ops  # noqa: E402
 from mla_backend import reference as ref  # noqa: E402
 from mla_backend.vllm import support  # noqa: E402
-from plugin_entry import vllm_plugin  # noqa: E402
+from mla_backend_entry import vllm_plugin  # noqa: E402
 
 HOPPER = DeviceCapability(9, 0)
 DENSE = "mla_backend.vllm.dense.MLADenseBackend"

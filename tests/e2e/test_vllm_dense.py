@@ -27,7 +27,7 @@ import urllib.request
 
 import pytest
 
-from mla_backend import engine_run, engines, tiny_model
+from mla_backend.demo import engine_run, engines, tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -23,7 +23,7 @@ with the wrong layout (576 vs 656 bytes) misses by far.
 
 import pytest
 
-from mla_backend import engines
+from mla_backend.demo import engines
 from tests.e2e import test_vllm_dense as dense
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +32,7 @@ FP8_EXTRA = 0.15
 
 
 def _model(workdir, topk, heads=16):
-    from mla_backend import tiny_model
+    from mla_backend.demo import tiny_model
 
     path = workdir / f"tiny-v32-h{heads}-topk{topk}"
     if not (path / "model.safetensors").exists():

@@ -1,6 +1,6 @@
 """Run one vLLM engine in this process and write what it generated (and how fast) as JSON.
 
-    python -m mla_backend.engine_run SPEC.json RESULT.json
+    python -m mla_backend.demo.engine_run SPEC.json RESULT.json
 
 One engine per process: the demo, the e2e tests and bench/e2e_decode.py start this module
 once per backend, so every engine starts clean and frees its GPU memory on exit.
@@ -22,13 +22,16 @@ import statistics
 import sys
 import time
 
+ENTRY_POINT = "mla_backend_entry.vllm_plugin:register"
+
 
 def entry_point_installed() -> bool:
     """Whether this package's vllm.general_plugins entry point is installed (then every
     vLLM process, the engine core included, loads the plugin)."""
     from importlib.metadata import entry_points
 
-    return any(ep.name == "mla_backend" for ep in entry_points(group="vllm.general_plugins"))
+    return any(ep.name == "mla_backend" and ep.value == ENTRY_POINT
+               for ep in entry_points(group="vllm.general_plugins"))
 
 
 def _llm(spec: dict):
@@ -36,7 +39,7 @@ def _llm(spec: dict):
         # Our package is importable (PYTHONPATH) but not pip-installed: vLLM's engine-core
         # process would not load the plugin, so keep the engine in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from plugin_entry.vllm_plugin import register
+        from mla_backend.vllm.registration import register
 
         register()
     from vllm import LLM

@@ -1,4 +1,4 @@
-"""Start vLLM engines in child processes (mla_backend.engine_run) and compare what they
+"""Start vLLM engines in child processes (mla_backend.demo.engine_run) and compare what they
 generated. Used by the demo, the e2e tests and bench/e2e_decode.py."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ class EngineFailed(RuntimeError):
 
 def run_engine(spec: dict, log_path: str, *, label: str = "", progress: bool = False,
                timeout_s: float = 900, env: dict | None = None) -> dict:
-    """Run one engine (python -m mla_backend.engine_run) and return its result. Its output
-    goes to log_path; with progress, one line on stderr counts the seconds until it ends."""
+    """Run one engine (python -m mla_backend.demo.engine_run) and return its result. Its output
+    goes to log_path; with progress, stderr shows the seconds until it ends: one line updated
+    in place on a terminal, else a plain line now and then (a log stays short)."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         with open(spec_path, "w") as f:
@@ -28,12 +29,17 @@ def run_engine(spec: dict, log_path: str, *, label: str = "", progress: bool = F
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         start = time.time()
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "mla_backend.engine_run", spec_path,
-                                     out_path], stdout=log, stderr=subprocess.STDOUT,
-                                    env=child_env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "mla_backend.demo.engine_run", spec_path, out_path],
+                stdout=log, stderr=subprocess.STDOUT, env=child_env)
             done = threading.Event()
+            tty = sys.stderr.isatty()
             if progress:
-                threading.Thread(target=_tick, args=(label, start, done), daemon=True).start()
+                if not tty:
+                    print(f"{label}: starting vLLM and generating (log: {log_path})",
+                          file=sys.stderr, flush=True)
+                threading.Thread(target=_tick, args=(label, start, done, tty),
+                                 daemon=True).start()
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -42,8 +48,8 @@ def run_engine(spec: dict, log_path: str, *, label: str = "", progress: bool = F
             finally:
                 done.set()
         if progress:
-            print(f"\r{label}: finished in {time.time() - start:.0f} s" + " " * 20,
-                  file=sys.stderr, flush=True)
+            finished = f"{label}: finished in {time.time() - start:.0f} s"
+            print(f"\r{finished}" + " " * 20 if tty else finished, file=sys.stderr, flush=True)
         if rc != 0 or not os.path.exists(out_path):
             with open(log_path) as f:
                 tail = "".join(f.readlines()[-40:])
@@ -52,10 +58,15 @@ def run_engine(spec: dict, log_path: str, *, label: str = "", progress: bool = F
             return json.load(f)
 
 
-def _tick(label: str, start: float, done: threading.Event) -> None:
-    while not done.wait(2.0):
-        print(f"\r{label}: starting vLLM and generating ... {time.time() - start:.0f} s",
-              end="", file=sys.stderr, flush=True)
+def _tick(label: str, start: float, done: threading.Event, tty: bool) -> None:
+    """Progress: on a terminal every 2 s, rewriting one line; elsewhere a new line a minute."""
+    while not done.wait(2.0 if tty else 60.0):
+        elapsed = time.time() - start
+        if tty:
+            print(f"\r{label}: starting vLLM and generating ... {elapsed:.0f} s", end="",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"{label}: still running after {elapsed:.0f} s", file=sys.stderr, flush=True)
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:

@@ -7,8 +7,9 @@ Runs the same greedy prompts through vLLM with `--attention-backend CUSTOM` (our
 and with vLLM's default MLA backend (or --baseline NAME), each engine in its own process,
 then prints the generated tokens of both, whether they agree, and the decode tokens/s of
 each (batch --batch, prompts of --context tokens, FULL CUDA graphs for decode).
-The tiny model's weights make attention non-uniform (mla_backend.tiny_model), so agreement
-means something.
+The tiny model's weights make attention non-uniform (mla_backend.demo.tiny_model), so
+agreement means something. Where the greedy tokens part, the demo prints the baseline's
+logprob margin between the two tokens, and whether that is a near-tie.
 """
 
 from __future__ import annotations
@@ -65,6 +66,44 @@ def _prompts(model: str | None, vocab: int) -> tuple[list[list[int]], object]:
     return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in (5, 40, 700)], None
 
 
+def _token(tok, t: int) -> str:
+    return repr(tok.decode([t])) if tok is not None else str(t)
+
+
+def _partings(ours: list[dict], peer: list[dict], cmp: dict, peer_name: str, tok) -> list[str]:
+    """One line per prompt whose greedy tokens part (cmp = engines.compare(ours, peer)): the
+    two tokens and the baseline's logprob margin between them. The margin is a near-tie when
+    it is within twice the largest |logprob difference| of the two backends at the positions
+    where they agree: logprobs that differ by up to d can order two tokens within 2 d either
+    way."""
+    cut = {d["prompt"]: d["position"] for d in cmp["divergences"]}
+
+    def agreed(outputs):
+        return [dict(o, token_ids=o["token_ids"][:cut.get(i)], logprobs=o["logprobs"][:cut.get(i)])
+                for i, o in enumerate(outputs)]
+
+    spread = engines.compare(agreed(ours), agreed(peer))["max_abs_logprob_diff"]
+    lines = []
+    for d in cmp["divergences"]:
+        i, j = d["prompt"], d["position"]
+        a, b = d["tokens"]
+        head = (f"  prompt {i} parts at generated token {j}: CUSTOM chose {_token(tok, a)}, "
+                f"{peer_name} {_token(tok, b)}")
+        ranked = peer[i]["logprobs"]
+        top = dict(map(tuple, ranked[j])) if j < len(ranked) else {}
+        if b in top and a in top:
+            margin = top[b] - top[a]
+            verdict = "a near-tie" if margin <= 2 * spread else "not a near-tie"
+            lines.append(f"{head}; {peer_name} puts its token {margin:.4f} above ours in "
+                         f"logprob: {verdict} (where they agree, the backends' logprobs differ "
+                         f"by up to {spread:.4f})")
+        elif b in top:
+            lines.append(f"{head}; ours is not in {peer_name}'s top {len(top)} there")
+        else:
+            lines.append(f"{head}; no logprobs of {peer_name} there")
+    return lines
+
+
 def main(argv=None) -> int:
     args = _parse(argv if argv is not None else sys.argv[1:])
     tmp = tempfile.TemporaryDirectory(prefix="mla_backend_demo_")
@@ -111,9 +150,12 @@ def main(argv=None) -> int:
             print(f"  {name:22s}: {text}")
     cmp = engines.compare(ours["outputs"], peer["outputs"])
     same = cmp["matching_tokens"] == cmp["total_tokens"]
-    print(f"\ngenerated tokens agree: {'yes' if same else 'no'} ({cmp['matching_tokens']}/"
+    agree = "yes" if same else "until they part (later tokens follow different contexts)"
+    print(f"\ngenerated tokens agree: {agree} ({cmp['matching_tokens']}/"
           f"{cmp['total_tokens']}); largest |logprob difference| over "
           f"{cmp['positions_compared']} positions: {cmp['max_abs_logprob_diff']:.4f}")
+    for line in _partings(ours["outputs"], peer["outputs"], cmp, peer_name, tok):
+        print(line)
     print(f"decode tokens/s (batch {args.batch}, {args.context}-token context, "
           f"{'eager' if args.eager else 'CUDA graphs'}):")
     for name, run in (("CUSTOM (mla_backend)", ours), (peer_name, peer)):
