@@ -1,16 +1,20 @@
 """Reusable parts of the side-by-side benchmarks (bench/*.py).
 
-- CUDA-graph timing of one "step" callable rotating over several input sets (time_graph)
+- CUDA-graph capture (capture_graph) and timing of one "step" callable rotating over
+  several input sets (time_graph)
 - the order of side-by-side timing rounds, each kernel first in turn (round_orders), and
   timing in those rounds (time_in_rounds)
 - device copy bandwidth (copy_bandwidth_gbs)
+- paged inputs: block tables over one pool of randomly ordered blocks (block_tables)
+- kernel adapters and their correctness measure (Kernel, NotApplicable, rel_l2)
 - rotating-set sizing against the L2 cache (rotating_sets)
 - result rows, the results file in design.md's shape, and the printed table (BenchRow,
   write_results, print_table, print_summary)
 - run metadata: GPU name and slug, date, git commit
 
 Nothing here imports a peer library or the mla_backend extension: a bench script brings its
-own kernels and calls these helpers.
+own kernels (bench/peers/) and calls these helpers. The tests use the same capture_graph,
+block_tables and rel_l2 (through tests/helpers.py).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +39,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 # H100 / H200 L2: 50 MB. Rotating input sets keep the touched bytes well above it, so a
 # kernel never re-reads a KV cache that the previous call left in L2.
 L2_BYTES = 50 * 2**20
+T = TypeVar("T")
 
 
 def log(*parts: object) -> None:
@@ -109,6 +114,25 @@ def median_ms(fn: Callable[[], object], reps: int) -> tuple[float, list[float]]:
     return statistics.median(samples), samples
 
 
+def capture_graph(body: Callable[[], T], *, warm: bool = True
+                  ) -> tuple[torch.cuda.CUDAGraph, T]:
+    """body() recorded into a new CUDA graph; returns the graph and what body returned during
+    the capture (the tensors its replays write). warm: first run body once eagerly and wait
+    for it, so that lazily built state (JIT modules, cached schedules) and the allocator's
+    blocks exist before the capture."""
+    if warm:
+        body()
+        torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            result = body()
+    except BaseException:
+        del graph  # its memory pool goes now, not when the traceback does
+        raise
+    return graph, result
+
+
 class GraphCaptureError(RuntimeError):
     """A step could not be captured into a CUDA graph (host sync, unsupported op, ...)."""
 
@@ -158,13 +182,13 @@ def time_graph(step: Callable[[int], object], nsets: int, *, budget_ms: float = 
     ncalls = nsets * rotations
     reps = int(min(max_reps, max(min_reps, budget_ms * 1e3 // (ncalls * est_us))))
 
-    graph = torch.cuda.CUDAGraph()
+    def calls() -> None:
+        for c in range(ncalls):
+            step(c % nsets)
+
     try:
-        with torch.cuda.graph(graph):
-            for c in range(ncalls):
-                step(c % nsets)
+        graph, _ = capture_graph(calls, warm=False)
     except Exception as e:  # noqa: BLE001 - reported to the caller as a capture failure
-        del graph
         try:
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001, S110
@@ -224,9 +248,57 @@ def copy_bandwidth_gbs(nbytes: int = 2**30, reps: int = 10) -> float:
     return 2 * nbytes / (med * 1e-3) / 1e9
 
 
+
+
+# --------------------------------------------------------------------------- inputs, kernels
+
+
+def block_tables(perm: torch.Tensor, nblk: Sequence[int], *, nsets: int = 1,
+                 width: int | None = None, unused: torch.Tensor | int = 0
+                 ) -> list[torch.Tensor]:
+    """Block tables [batch, width] int32 (width default: max(nblk)) of `nsets` input sets
+    over one pool of blocks handed out in the order `perm`: set s takes the s-th run of
+    sum(nblk) blocks of perm, request b of it the next nblk[b] blocks in turn, so sets never
+    share a block. The entries past a request's blocks hold `unused` (a number, or a
+    [batch, width] tensor)."""
+    dev = perm.device
+    per_set = sum(nblk)
+    counts = torch.tensor(list(nblk), device=dev, dtype=torch.int64)
+    col = torch.arange(max(nblk) if width is None else width, device=dev)
+    used = col[None, :] < counts[:, None]
+    pos = (torch.cumsum(counts, 0) - counts)[:, None] + col[None, :]
+    pos = pos.clamp(max=per_set)                          # past the run: the pad entry
+    tables = []
+    for s in range(nsets):
+        run = torch.cat([perm[s * per_set:(s + 1) * per_set], perm.new_zeros(1)])
+        tables.append(torch.where(used, run[pos], unused).to(torch.int32).contiguous())
+    return tables
+
+
+class NotApplicable(Exception):
+    """The kernel does not serve this config (the reason is the message)."""
+
+
+@dataclass
+class Kernel:
+    """One kernel on one config's inputs. step(i): one timed call on input set i (metadata /
+    plan included where the bench says so); check(): its output on input set 0 in the
+    reference's shape (dense: (out, lse or None); sparse: out); step_premeta: the same call
+    with its metadata built once outside (a fallback for when the metadata cannot be
+    captured in a CUDA graph), or None; want: the kernel's own reference when the config's
+    does not fit it (a peer that quantizes q), or None; tol: its rel L2 limit when not the
+    bench's (shown as a note on the row)."""
+
+    step: Callable[[int], object]
+    check: Callable[[], Any]
+    step_premeta: Callable[[int], object] | None = None
+    want: Callable[[], Any] | None = None
+    tol: float | None = None
+
+
 def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / ||want|| in float32 (NaN anywhere gives NaN)."""
-    got, want = got.float(), want.float()
+    """||got - want|| / ||want|| in float64 (NaN anywhere gives NaN)."""
+    got, want = got.double(), want.double()
     return float(torch.linalg.vector_norm(got - want) /
                  torch.linalg.vector_norm(want).clamp_min(1e-30))
 

@@ -1,6 +1,6 @@
 """Sparse (DSA) attention side by side: ours vs FlashMLA as vLLM 0.25 ships it, one process,
 same inputs. Two jobs share this module (entry points bench/sparse_decode.py and
-bench/sparse_prefill.py):
+bench/sparse_prefill.py); inputs in bench/sparse_inputs.py, the kernels in bench/peers/:
 
 decode   q [B, s_q, H, 576] bf16; fp8_ds_mla cache (656 B/token; --cache bf16 for the bf16
          cache) of B requests with `context` tokens each in randomly permuted 64-token pages;
@@ -27,175 +27,20 @@ reference on (a slice of) the first input set.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from bench import common
-from bench.common import BenchRow, log
+from bench.common import BenchRow, Kernel, log
+from bench.peers import flashmla, ours
+from bench.sparse_inputs import D_QK, D_V, Case, make_decode_case, make_prefill_case, reference_out
 
-D_QK, D_V, PAGE = 576, 512, 64
 REL_L2_TOL = 1e-2
 OURS = "ours"
-REF_ROWS = 256          # rows (query tokens) checked against the reference
-
-
-class NotApplicable(RuntimeError):
-    pass
-
-
-@dataclass
-class Case:
-    """One config's inputs: nsets rotating sets of (q, indices)."""
-    job: str
-    H: int
-    rows: int                   # B * s_q (decode) or T (prefill)
-    batch: int
-    s_q: int
-    topk: int
-    kv: torch.Tensor            # decode: paged cache; prefill: flat [S, 576]
-    qs: list[torch.Tensor]      # [B, s_q, H, 576] / [T, H, 576]
-    idx: list[torch.Tensor]     # [B, s_q, topk] / [T, topk]
-    scale: float
-
-    @property
-    def nsets(self) -> int:
-        return len(self.qs)
-
-
-def _pad_heads(q: torch.Tensor, heads_dim: int) -> torch.Tensor:
-    """Zero-pad the heads to 64 or 128, as vLLM's FlashMLA sparse backend does."""
-    H = q.shape[heads_dim]
-    target = 64 if H <= 64 else 128
-    if H == target:
-        return q
-    shape = list(q.shape)
-    shape[heads_dim] = target
-    out = torch.zeros(shape, dtype=q.dtype, device=q.device)
-    out.narrow(heads_dim, 0, H).copy_(q)
-    return out
-
-
-def make_decode_case(H, s_q, batch, topk, context, cache_fmt, seed, pool) -> Case:
-    from mla_backend import formats
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    if pool.get("key") != (batch, context, cache_fmt):
-        pool.clear()
-        blocks = batch * math.ceil(context / PAGE)
-        kv = (torch.randn(blocks, PAGE, D_QK, device="cuda", generator=g) * 2).to(torch.bfloat16)
-        if cache_fmt == "fp8_ds_mla":
-            kv = formats.quantize_fp8_ds_mla(kv[..., :D_V].contiguous(), kv[..., D_V:].contiguous())
-        table = torch.randperm(blocks, device="cuda", generator=g).view(batch, -1).to(torch.int32)
-        pool.update(key=(batch, context, cache_fmt), kv=kv, table=table)
-    kv, table = pool["kv"], pool["table"]
-    touched = batch * s_q * topk * kv.shape[-1] * kv.element_size()
-    nsets = common.rotating_sets(touched, hi=32)
-    qs, idxs = [], []
-    for _ in range(nsets):
-        qs.append(torch.randn(batch, s_q, H, D_QK, device="cuda", generator=g).to(torch.bfloat16))
-        pos = torch.rand(batch, s_q, context, device="cuda", generator=g).argsort(-1)[..., :topk]
-        blk = torch.gather(table.unsqueeze(1).expand(batch, s_q, -1), 2, pos // PAGE)
-        idxs.append((blk * PAGE + pos % PAGE).to(torch.int32).contiguous())
-    return Case("decode", H, batch * s_q, batch, s_q, topk, kv, qs, idxs, D_QK ** -0.5)
-
-
-def decode_cases(caches, batches, topks, s_qs, heads, context, seed):
-    """(cache format, Case) for every combination, seeds seed + 1, seed + 2, ...; one cache
-    pool for the rows of a (batch, cache), freed between rows (the tuning scripts' matrix)."""
-    pool: dict = {}
-    for cache in caches:
-        for batch in batches:
-            for topk in topks:
-                for s_q in s_qs:
-                    for H in heads:
-                        seed += 1
-                        yield cache, make_decode_case(H, s_q, batch, topk, context, cache, seed,
-                                                      pool)
-                        torch.cuda.empty_cache()
-
-
-def make_prefill_case(H, tokens, topk, s_kv, seed) -> Case:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    kv = torch.randn(s_kv, D_QK, device="cuda", generator=g).to(torch.bfloat16)
-    nsets = 2
-    qs = [torch.randn(tokens, H, D_QK, device="cuda", generator=g).to(torch.bfloat16)
-          for _ in range(nsets)]
-    idxs = [torch.randint(0, s_kv, (tokens, topk), device="cuda", generator=g, dtype=torch.int32)
-            for _ in range(nsets)]
-    return Case("prefill", H, tokens, tokens, 1, topk, kv, qs, idxs, D_QK ** -0.5)
-
-
-@dataclass
-class Kernel:
-    step: Callable[[int], object]
-    check: Callable[[], torch.Tensor]      # out of set 0, shaped like the reference's
-
-
-def build_ours(c: Case) -> Kernel:
-    from mla_backend import ops
-
-    if c.job == "decode":
-        ws = ops.sparse_workspace(c.rows, c.H, device="cuda")
-
-        def step(i):
-            plan = ops.plan_sparse_decode(c.batch, c.s_q, c.H, c.topk, workspace=ws,
-                                          device="cuda", kv_cache_dtype=c.kv.dtype)
-            return ops.sparse_mla_decode(c.qs[i], c.kv, c.idx[i], plan, c.scale)[0]
-    else:
-        plan = ops.plan_sparse_decode(c.rows, 1, c.H, c.topk, device="cuda",
-                                      kv_cache_dtype=c.kv.dtype)
-
-        def step(i):
-            return ops.sparse_mla_prefill(c.qs[i], c.kv, c.idx[i], c.scale, plan=plan)[0]
-    return Kernel(step=step, check=lambda: step(0))
-
-
-def build_flashmla(c: Case) -> Kernel:
-    from vllm.v1.attention.ops import flashmla
-
-    ok, why = flashmla.is_flashmla_sparse_supported()
-    if not ok:
-        raise NotApplicable(f"FlashMLA sparse unavailable: {why}")
-    if c.job == "decode" and c.kv.dtype == torch.uint8:
-        qs = [_pad_heads(q, 2) for q in c.qs]
-        k_cache = c.kv.unsqueeze(-2)
-        dummy_table = torch.zeros(c.batch, 1, dtype=torch.int32, device="cuda")
-        seqlens = torch.ones(c.batch, dtype=torch.int32, device="cuda")
-
-        def step(i):
-            sched, _ = flashmla.get_mla_metadata()
-            return flashmla.flash_mla_with_kvcache(
-                qs[i], k_cache, dummy_table, seqlens, D_V, sched, softmax_scale=c.scale,
-                causal=False, is_fp8_kvcache=True, indices=c.idx[i])[0][..., :c.H, :]
-    else:
-        kv = c.kv.reshape(-1, 1, D_QK)
-        qs = [_pad_heads(q.reshape(-1, c.H, D_QK), 1) for q in c.qs]
-        idx = [i.reshape(-1, 1, c.topk) for i in c.idx]
-
-        def step(i):
-            out = flashmla.flash_mla_sparse_fwd(qs[i], kv, idx[i], c.scale, d_v=D_V)[0]
-            out = out[:, :c.H]
-            return out.view(c.batch, c.s_q, c.H, D_V) if c.job == "decode" else out
-    return Kernel(step=step, check=lambda: step(0))
-
-
-BUILDERS = {OURS: build_ours, "flashmla": build_flashmla}
-
-
-def reference_out(c: Case) -> torch.Tensor:
-    from mla_backend import reference as ref
-
-    if c.job == "decode":
-        b = max(1, min(c.batch, REF_ROWS // c.s_q))
-        return ref.sparse_mla_decode(c.qs[0][:b], c.kv, c.idx[0][:b], None, c.scale)[0]
-    n = min(c.rows, REF_ROWS)
-    return ref.sparse_mla_prefill(c.qs[0][:n], c.kv, c.idx[0][:n], c.scale)[0]
+BUILDERS = {OURS: ours.build_sparse, "flashmla": flashmla.build_sparse}
 
 
 def bench_case(c: Case, kernels, args, copy_bw) -> BenchRow:
@@ -222,7 +67,7 @@ def bench_case(c: Case, kernels, args, copy_bw) -> BenchRow:
             k = BUILDERS[name](c)
             errors[name] = common.rel_l2(k.check()[:n], want)
             built[name] = k
-        except NotApplicable as e:
+        except common.NotApplicable as e:
             row.skipped[name] = str(e)
             log(f"    {name:9s} skipped: {e}")
         except Exception as e:  # noqa: BLE001 - reported in the row

@@ -1,8 +1,15 @@
-"""Input builders shared by the cpu and gpu tiers."""
+"""What the tests share: paged inputs, the naive float64 decode, e4m3 code populations, and
+(from bench/common.py, which the benches use too) the block-table builder, the rel L2 error
+and the CUDA-graph capture."""
 
 from __future__ import annotations
 
 import torch
+
+from bench.common import block_tables, capture_graph, rel_l2
+
+__all__ = ["D_QK", "D_V", "PAGE", "E4M3_POPULATIONS", "block_tables", "capture_graph",
+           "e4m3_codes", "naive_dense_decode", "paged_case", "rel_l2"]
 
 D_QK, D_V, PAGE = 576, 512, 64
 
@@ -19,15 +26,12 @@ def paged_case(seq_lens: list[int], s_q: int, heads: int, *, dtype=torch.bfloat1
     perm = torch.randperm(num_blocks, generator=g)
     cache = torch.randn(num_blocks, PAGE, D_QK, generator=g).to(dtype)
     used = torch.zeros(num_blocks, PAGE, dtype=torch.bool)
-    table = torch.randint(num_blocks + 1000, 2**30, (batch, max_blocks), generator=g,
-                          dtype=torch.int32)
-    nxt = 0
+    garbage = torch.randint(num_blocks + 1000, 2**30, (batch, max_blocks), generator=g,
+                            dtype=torch.int32)
+    table = block_tables(perm, blocks_per_req, width=max_blocks, unused=garbage)[0]
     for b, n in enumerate(seq_lens):
         for j in range(blocks_per_req[b]):
-            blk = int(perm[nxt])
-            nxt += 1
-            table[b, j] = blk
-            used[blk, : min(PAGE, n - j * PAGE)] = True
+            used[int(table[b, j]), : min(PAGE, n - j * PAGE)] = True
     if nan_unused:
         cache[~used] = float("nan")
     q = torch.randn(batch, s_q, heads, D_QK, generator=g).to(dtype)
@@ -56,11 +60,6 @@ def naive_dense_decode(q, cache, table, lens, scale, causal=True):
                 out[b, i, h] = w @ kk[:, :D_V]
                 lse[b, i, h] = torch.logsumexp(s, 0)
     return out, lse
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # e4m3 byte populations for the fp8 conversion tests: every code but the two NaNs, only the

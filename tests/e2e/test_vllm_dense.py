@@ -1,13 +1,6 @@
 """vLLM 0.25 with `--attention-backend CUSTOM` on tiny DeepSeek checkpoints whose weights make
-attention non-uniform (mla_backend.tiny_model), against vLLM's FLASHMLA and TRITON_MLA on the
-same prompts. Each engine runs in its own process (mla_backend.engine_run); results are
-cached for the session (and in $E2E_CACHE_DIR across sessions on one machine, when set), and
-every comparison goes to $E2E_REPORT (JSON) when set.
-
-Prompts of 1 to 3000 tokens go in one batch with max_num_batched_tokens 1024, so steps mix
-prefills and decodes, and the 3000-token prompt is prefilled in chunks that read the context
-back from our cache. The first generated token comes from prefill alone; decode kernels
-show from the second on (12 tokens per prompt).
+attention non-uniform (mla_backend.demo.tiny_model), against vLLM's FLASHMLA and TRITON_MLA
+on the same prompts. Engines, prompts, result cache and report: tests/e2e/harness.py.
 
 Tolerance (stated in docs/vllm.md): the largest |logprob difference| over the top-5 tokens of
 every compared position must be within max(2 x the same number between FLASHMLA and
@@ -16,8 +9,6 @@ the peers' logprobs allow it (a near-tie), which the same bound covers.
 """
 
 import json
-import os
-import pathlib
 import re
 import socket
 import subprocess
@@ -28,23 +19,9 @@ import urllib.request
 import pytest
 
 from mla_backend.demo import engine_run, engines, tiny_model
+from tests.e2e.harness import PROMPT_LENS, check_close, run, save
 
 pytestmark = pytest.mark.e2e
-
-PROMPT_LENS = [1, 7, 64, 300, 1000, 3000]
-BASE = {"mode": "graphs", "max_model_len": 4096, "max_num_seqs": 32, "max_num_batched_tokens": 1024,
-        "gpu_memory_utilization": 0.3, "max_tokens": 12, "logprobs": 5}
-_results: dict = {}
-_report: dict = {}
-
-
-@pytest.fixture(scope="session")
-def workdir(tmp_path_factory):
-    cache = os.environ.get("E2E_CACHE_DIR")
-    if cache:  # cached results name their model dirs: keep them in the cache too
-        os.makedirs(cache, exist_ok=True)
-        return pathlib.Path(cache)
-    return tmp_path_factory.mktemp("e2e")
 
 
 def _model(workdir, arch="v3", heads=16):
@@ -54,42 +31,6 @@ def _model(workdir, arch="v3", heads=16):
     return str(path)
 
 
-def _prompts():
-    import torch
-
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(2, 2048, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-def _run(workdir, key: str, **spec) -> dict:
-    if key not in _results:
-        cache = os.environ.get("E2E_CACHE_DIR")
-        cached = os.path.join(cache, f"{key}.json") if cache else None
-        full = dict(BASE, prompts=_prompts(), **spec)
-        if cached and os.path.exists(cached):
-            with open(cached) as f:
-                res = json.load(f)
-            assert res["spec"] == {k: v for k, v in full.items() if k != "prompts"}, key
-        else:
-            log = str(workdir / f"{key}.log")
-            res = engines.run_engine(full, log, label=key, timeout_s=600)
-            res["log"] = open(log, errors="replace").read()
-            if cached:
-                os.makedirs(cache, exist_ok=True)
-                with open(cached, "w") as f:
-                    json.dump(res, f)
-        _results[key] = res
-        _save(key, {k: v for k, v in res.items() if k not in ("log", "outputs", "spec")})
-    return _results[key]
-
-
-def _save(key, value):
-    _report[key] = value
-    if os.environ.get("E2E_REPORT"):
-        with open(os.environ["E2E_REPORT"], "w") as f:
-            json.dump(_report, f, indent=1)
-
-
 def _assert_ours(res):
     log = res["log"]
     assert "Using AttentionBackendEnum.CUSTOM backend" in log
@@ -97,52 +38,42 @@ def _assert_ours(res):
 
 
 def _tolerance(workdir, arch, heads, mode="graphs"):
-    fm = _run(workdir, f"{arch}-h{heads}-FLASHMLA-{mode}", model=_model(workdir, arch, heads),
-              backend="FLASHMLA", mode=mode)
-    tr = _run(workdir, f"{arch}-h{heads}-TRITON_MLA-{mode}", model=_model(workdir, arch, heads),
-              backend="TRITON_MLA", mode=mode)
+    fm = run(workdir, f"{arch}-h{heads}-FLASHMLA-{mode}", model=_model(workdir, arch, heads),
+             backend="FLASHMLA", mode=mode)
+    tr = run(workdir, f"{arch}-h{heads}-TRITON_MLA-{mode}", model=_model(workdir, arch, heads),
+             backend="TRITON_MLA", mode=mode)
     spread = engines.compare(fm["outputs"], tr["outputs"])
-    _save(f"{arch}-h{heads}-{mode}: FLASHMLA vs TRITON_MLA", spread)
+    save(f"{arch}-h{heads}-{mode}: FLASHMLA vs TRITON_MLA", spread)
     return fm, max(2 * spread["max_abs_logprob_diff"], 0.02)
-
-
-def _check_close(name, ours, peer, tol):
-    cmp = engines.compare(ours["outputs"], peer["outputs"])
-    _save(name, dict(cmp, tolerance=tol))
-    # decode positions (after the prefill's first token) were compared
-    assert cmp["positions_compared"] >= len(PROMPT_LENS) * 2, cmp
-    assert cmp["max_abs_logprob_diff"] <= tol, (name, cmp, tol)
-    assert cmp["min_topk_overlap"] >= 0.6, (name, cmp)
-    return cmp
 
 
 @pytest.mark.parametrize("heads", [16, 128])
 def test_custom_matches_flashmla_with_cuda_graphs(workdir, heads):
     fm, tol = _tolerance(workdir, "v3", heads)
-    ours = _run(workdir, f"v3-h{heads}-CUSTOM-graphs", model=_model(workdir, "v3", heads),
-                backend="CUSTOM", mode="graphs")
+    ours = run(workdir, f"v3-h{heads}-CUSTOM-graphs", model=_model(workdir, "v3", heads),
+               backend="CUSTOM", mode="graphs")
     _assert_ours(ours)
     assert "FULL" in ours["cudagraph_mode"]
-    _check_close(f"v3-h{heads}-graphs: CUSTOM vs FLASHMLA", ours, fm, tol)
+    check_close(f"v3-h{heads}-graphs: CUSTOM vs FLASHMLA", ours, fm, tol)
 
 
 def test_custom_eager_matches_flashmla(workdir):
     fm, tol = _tolerance(workdir, "v3", 16)
-    ours = _run(workdir, "v3-h16-CUSTOM-eager", model=_model(workdir, "v3", 16),
-                backend="CUSTOM", mode="eager")
+    ours = run(workdir, "v3-h16-CUSTOM-eager", model=_model(workdir, "v3", 16),
+               backend="CUSTOM", mode="eager")
     _assert_ours(ours)
     assert ours["cudagraph_mode"].endswith("NONE")
-    _check_close("v3-h16: CUSTOM eager vs FLASHMLA graphs", ours, fm, tol)
+    check_close("v3-h16: CUSTOM eager vs FLASHMLA graphs", ours, fm, tol)
 
 
 def test_deepseek_v2_on_model_runner_v2(workdir):
     model = _model(workdir, "v2", 16)
-    fm = _run(workdir, "v2-h16-FLASHMLA-graphs", model=model, backend="FLASHMLA")
-    ours = _run(workdir, "v2-h16-CUSTOM-graphs", model=model, backend="CUSTOM")
+    fm = run(workdir, "v2-h16-FLASHMLA-graphs", model=model, backend="FLASHMLA")
+    ours = run(workdir, "v2-h16-CUSTOM-graphs", model=model, backend="CUSTOM")
     _assert_ours(ours)
     assert ours["use_v2_model_runner"], "DeepseekV2ForCausalLM should run on Model Runner V2"
     _, tol = _tolerance(workdir, "v3", 16)
-    _check_close("v2-h16-graphs: CUSTOM vs FLASHMLA", ours, fm, tol)
+    check_close("v2-h16-graphs: CUSTOM vs FLASHMLA", ours, fm, tol)
 
 
 @pytest.mark.parametrize("heads", [16, 128])
@@ -152,15 +83,15 @@ def test_fp8_kv_cache_at_least_as_close_as_flashmla_fp8(workdir, heads):
     mma.sync kernel, H = 128 the wgmma kernel's converting producer."""
     model = _model(workdir, "v3", heads)
     fm_bf16, tol = _tolerance(workdir, "v3", heads)
-    fm8 = _run(workdir, f"v3-h{heads}-FLASHMLA-graphs-fp8", model=model, backend="FLASHMLA",
-               kv_cache_dtype="fp8")
-    ours8 = _run(workdir, f"v3-h{heads}-CUSTOM-graphs-fp8", model=model, backend="CUSTOM",
-                 kv_cache_dtype="fp8")
+    fm8 = run(workdir, f"v3-h{heads}-FLASHMLA-graphs-fp8", model=model, backend="FLASHMLA",
+              kv_cache_dtype="fp8")
+    ours8 = run(workdir, f"v3-h{heads}-CUSTOM-graphs-fp8", model=model, backend="CUSTOM",
+                kv_cache_dtype="fp8")
     _assert_ours(ours8)
     peer = engines.compare(fm8["outputs"], fm_bf16["outputs"])
     ours = engines.compare(ours8["outputs"], fm_bf16["outputs"])
-    _save(f"v3-h{heads} fp8 cache: FLASHMLA fp8 vs FLASHMLA bf16", peer)
-    _save(f"v3-h{heads} fp8 cache: CUSTOM fp8 vs FLASHMLA bf16", ours)
+    save(f"v3-h{heads} fp8 cache: FLASHMLA fp8 vs FLASHMLA bf16", peer)
+    save(f"v3-h{heads} fp8 cache: CUSTOM fp8 vs FLASHMLA bf16", ours)
     assert ours["positions_compared"] >= len(PROMPT_LENS) * 2
     assert ours["max_abs_logprob_diff"] <= max(1.5 * peer["max_abs_logprob_diff"], tol), (
         ours, peer)
@@ -170,15 +101,15 @@ def test_spec_decode_verification_rows(workdir):
     """n-gram speculation (3 draft tokens) sends verification rows of 4 query tokens per
     request to forward_mqa; greedy results must match the same engine without speculation."""
     model = _model(workdir, "v3", 16)
-    plain = _run(workdir, "v3-h16-CUSTOM-graphs", model=model, backend="CUSTOM")
-    spec = _run(workdir, "v3-h16-CUSTOM-graphs-ngram", model=model, backend="CUSTOM",
-                speculative={"method": "ngram", "num_speculative_tokens": 3,
-                             "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    plain = run(workdir, "v3-h16-CUSTOM-graphs", model=model, backend="CUSTOM")
+    spec = run(workdir, "v3-h16-CUSTOM-graphs-ngram", model=model, backend="CUSTOM",
+               speculative={"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     _assert_ours(spec)
     assert "up to 4 query tokens per request" in spec["log"]
     _, tol = _tolerance(workdir, "v3", 16)
     if all(o["logprobs"] for o in spec["outputs"]):
-        _check_close("v3-h16: CUSTOM ngram-spec vs CUSTOM", spec, plain, tol)
+        check_close("v3-h16: CUSTOM ngram-spec vs CUSTOM", spec, plain, tol)
     else:  # no logprobs from the speculative path: greedy tokens must agree
         cmp_tokens = [o["token_ids"] for o in spec["outputs"]]
         assert cmp_tokens == [o["token_ids"] for o in plain["outputs"]]
@@ -223,7 +154,7 @@ def test_vllm_serve_answers_a_completion(workdir):
             server.terminate()
             server.wait(timeout=60)
     text = open(log_path, errors="replace").read()
-    _save("serve", {"answer": answer, "command": " ".join(cmd[2:])})
+    save("serve", {"answer": answer, "command": " ".join(cmd[2:])})
     assert answer["usage"]["completion_tokens"] == 8, answer
     assert "Using AttentionBackendEnum.CUSTOM backend" in text
     assert re.search(r"mla_backend: dense MLA decode on MLA_BACKEND kernels", text)

@@ -1,7 +1,6 @@
 """vLLM 0.25 with `--attention-backend CUSTOM` on a tiny DeepSeek-V3.2 checkpoint (sparse
 attention: a lightning indexer picks index_topk keys per token) against FLASHMLA_SPARSE on
-the same prompts. Same harness as test_vllm_dense.py (engines in their own processes,
-results cached in $E2E_CACHE_DIR, comparisons in $E2E_REPORT).
+the same prompts. Engines, prompts, result cache and report: tests/e2e/harness.py.
 
 Prompts of 1 to 3000 tokens: shorter and longer than index_topk (256 and 2048), in one batch
 with max_num_batched_tokens 1024 (steps mix prefills and decodes; chunked prefill).
@@ -23,17 +22,14 @@ with the wrong layout (576 vs 656 bytes) misses by far.
 
 import pytest
 
-from mla_backend.demo import engines
-from tests.e2e import test_vllm_dense as dense
+from mla_backend.demo import engines, tiny_model
+from tests.e2e.harness import check_close, run, save
 
 pytestmark = pytest.mark.e2e
-workdir = dense.workdir  # the same session fixture (one cache directory)
 FP8_EXTRA = 0.15
 
 
 def _model(workdir, topk, heads=16):
-    from mla_backend.demo import tiny_model
-
     path = workdir / f"tiny-v32-h{heads}-topk{topk}"
     if not (path / "model.safetensors").exists():
         tiny_model.write_checkpoint(str(path), arch="v32", heads=heads, layers=2,
@@ -42,12 +38,12 @@ def _model(workdir, topk, heads=16):
 
 
 def _tolerance(workdir, model, tag):
-    graphs = dense._run(workdir, f"{tag}-FLASHMLA_SPARSE-graphs", model=model,
-                        backend="FLASHMLA_SPARSE")
-    eager = dense._run(workdir, f"{tag}-FLASHMLA_SPARSE-eager", model=model,
-                       backend="FLASHMLA_SPARSE", mode="eager")
+    graphs = run(workdir, f"{tag}-FLASHMLA_SPARSE-graphs", model=model,
+                 backend="FLASHMLA_SPARSE")
+    eager = run(workdir, f"{tag}-FLASHMLA_SPARSE-eager", model=model,
+                backend="FLASHMLA_SPARSE", mode="eager")
     spread = engines.compare(graphs["outputs"], eager["outputs"])
-    dense._save(f"{tag}: FLASHMLA_SPARSE graphs vs eager", spread)
+    save(f"{tag}: FLASHMLA_SPARSE graphs vs eager", spread)
     return graphs, max(2 * spread["max_abs_logprob_diff"], 0.05)
 
 
@@ -60,22 +56,19 @@ def _assert_ours(res):
 def test_custom_matches_flashmla_sparse(workdir, topk):
     model = _model(workdir, topk)
     peer, tol = _tolerance(workdir, model, f"v32-h16-topk{topk}")
-    ours = dense._run(workdir, f"v32-h16-topk{topk}-CUSTOM-graphs", model=model,
-                      backend="CUSTOM")
+    ours = run(workdir, f"v32-h16-topk{topk}-CUSTOM-graphs", model=model, backend="CUSTOM")
     _assert_ours(ours)
     assert "FULL" in ours["cudagraph_mode"]
-    dense._check_close(f"v32-h16-topk{topk}-graphs: CUSTOM vs FLASHMLA_SPARSE", ours, peer,
-                       tol)
+    check_close(f"v32-h16-topk{topk}-graphs: CUSTOM vs FLASHMLA_SPARSE", ours, peer, tol)
 
 
 def test_custom_eager_h128(workdir):
     model = _model(workdir, 256, heads=128)
     peer, tol = _tolerance(workdir, model, "v32-h128-topk256")
-    ours = dense._run(workdir, "v32-h128-topk256-CUSTOM-eager", model=model, backend="CUSTOM",
-                      mode="eager")
+    ours = run(workdir, "v32-h128-topk256-CUSTOM-eager", model=model, backend="CUSTOM",
+               mode="eager")
     _assert_ours(ours)
-    dense._check_close("v32-h128-topk256: CUSTOM eager vs FLASHMLA_SPARSE graphs", ours, peer,
-                       tol)
+    check_close("v32-h128-topk256: CUSTOM eager vs FLASHMLA_SPARSE graphs", ours, peer, tol)
 
 
 # H = 128: the fp8_ds_mla kernel's two row tiles run as a 2-CTA cluster (inside CUDA graphs)
@@ -84,9 +77,9 @@ def test_fp8_ds_mla_cache(workdir, heads):
     model = _model(workdir, 256, heads=heads)
     tag = f"v32-h{heads}-topk256"
     peer, tol = _tolerance(workdir, model, tag)
-    ours = dense._run(workdir, f"{tag}-CUSTOM-graphs-fp8_ds_mla", model=model,
-                      backend="CUSTOM", kv_cache_dtype="fp8_ds_mla")
+    ours = run(workdir, f"{tag}-CUSTOM-graphs-fp8_ds_mla", model=model, backend="CUSTOM",
+               kv_cache_dtype="fp8_ds_mla")
     _assert_ours(ours)
     assert "cache fp8_ds_mla" in ours["log"]
-    dense._check_close(f"{tag}: CUSTOM fp8_ds_mla vs FLASHMLA_SPARSE bf16", ours,
-                       peer, tol + FP8_EXTRA)
+    check_close(f"{tag}: CUSTOM fp8_ds_mla vs FLASHMLA_SPARSE bf16", ours, peer,
+                tol + FP8_EXTRA)

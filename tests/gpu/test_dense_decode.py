@@ -16,7 +16,7 @@ import torch
 
 from mla_backend import formats, ops
 from mla_backend import reference as ref
-from tests.helpers import e4m3_codes, paged_case, rel_l2
+from tests.helpers import capture_graph, e4m3_codes, paged_case, rel_l2
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3}
@@ -155,12 +155,12 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     seq_buf = seq.clone()
     plan = ops.plan_decode(seq_buf, 2, 16)
     out = torch.empty(len(lens), 2, 16, 512, dtype=q.dtype, device="cuda")
-    ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, out=out)  # warm-up
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step():
         ops.plan_decode(seq_buf, 2, 16, out=plan)
-        _, lse = ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, out=out)
+        return ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, out=out)[1]
+
+    graph, lse = capture_graph(step)
     for new in ([400, 1999, 0, 1], [2000, 2, 64, 30], [500, 2000, 64, 1]):
         seq_buf.copy_(torch.tensor(new, dtype=torch.int32))
         out.fill_(float("nan"))
@@ -202,13 +202,12 @@ def test_workspace_plans_every_batch_and_s_q_and_graphs_share_it(kv_fp8):
     for batch in (2, 6):
         q, cache, table, seq = case([3000] * batch, 1)
         out = torch.empty(batch, 1, heads, 512, dtype=dtype, device="cuda")
-        plan = ops.plan_decode(seq, 1, heads, kv_cache_dtype=cache_dtype, workspace=ws)
-        ops.mla_decode(q, cache, table, seq, plan, 0.05, out=out, **kw)  # warm-up
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+
+        def step(q=q, cache=cache, table=table, seq=seq, out=out):
             plan = ops.plan_decode(seq, 1, heads, kv_cache_dtype=cache_dtype, workspace=ws)
             ops.mla_decode(q, cache, table, seq, plan, 0.05, out=out, **kw)
+
+        g, _ = capture_graph(step)
         graphs[batch] = (g, q, cache, table, seq, out)
     gen = torch.Generator().manual_seed(_fresh_seed())
     for batch in (6, 2, 6, 2):
@@ -316,12 +315,12 @@ def test_fp8_cache_cuda_graph(heads):
     seq_buf = seq.clone()
     plan = ops.plan_decode(seq_buf, 1, heads, kv_cache_dtype=torch.float8_e4m3fn)
     out = torch.empty(3, 1, heads, 512, dtype=q.dtype, device="cuda")
-    ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, kv_scale=scale, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step():
         ops.plan_decode(seq_buf, 1, heads, kv_cache_dtype=torch.float8_e4m3fn, out=plan)
         ops.mla_decode(q, cache, table, seq_buf, plan, 0.05, kv_scale=scale, out=out)
+
+    graph, _ = capture_graph(step)
     for new in ([1999, 3, 900], [10, 64, 0]):
         seq_buf.copy_(torch.tensor(new, dtype=torch.int32))
         out.fill_(float("nan"))

@@ -20,7 +20,7 @@ import torch
 
 from mla_backend import formats, ops
 from mla_backend import reference as ref
-from tests.helpers import e4m3_codes, rel_l2
+from tests.helpers import block_tables, capture_graph, e4m3_codes, rel_l2
 
 pytestmark = pytest.mark.gpu
 TOL_OUT, TOL_LSE = 8e-3, 2e-3
@@ -345,12 +345,7 @@ def test_dense_equivalent_matches_mla_decode():
     lens = [700, 64, 1]
     blocks = [11, 1, 1]
     cache = torch.randn(sum(blocks), PAGE, 576, generator=g).to(torch.bfloat16).cuda()
-    table = torch.zeros(3, 11, dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(blocks):
-        table[b, :n] = torch.arange(start, start + n)
-        start += n
-    table = table.cuda()
+    table = block_tables(torch.arange(sum(blocks)), blocks, width=11)[0].cuda()  # in order
     topk = 704
     pos = torch.arange(topk)
     idx = (table.cpu()[:, pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
@@ -379,18 +374,13 @@ def test_cuda_graph_with_workspace(fmt, heads):
         st = {"q": torch.zeros(batch, 1, heads, 576, dtype=torch.bfloat16, device="cuda"),
               "idx": torch.full((batch, 1, topk), -1, dtype=torch.int32, device="cuda"),
               "len": torch.zeros(batch, dtype=torch.int32, device="cuda")}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph
+
+        def step(batch=batch, st=st):
             plan = ops.plan_sparse_decode(batch, 1, heads, topk, topk_length=st["len"],
                                           workspace=ws)
-            ops.sparse_mla_decode(st["q"], cache, st["idx"], plan, 0.06)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            plan = ops.plan_sparse_decode(batch, 1, heads, topk, topk_length=st["len"],
-                                          workspace=ws)
-            st["out"], st["lse"] = ops.sparse_mla_decode(st["q"], cache, st["idx"], plan, 0.06)
+            return ops.sparse_mla_decode(st["q"], cache, st["idx"], plan, 0.06)
+
+        graph, (st["out"], st["lse"]) = capture_graph(step)
         graphs[batch] = (graph, st)
     for _ in range(2):
         for batch, (graph, st) in graphs.items():
