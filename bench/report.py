@@ -1,8 +1,8 @@
 """Render a results file as a markdown table (any bench's config columns) and, for dense
 decode, a plot (µs vs mean seq_len per H) for docs/.
 
-    python -m bench.report bench/results/dense_decode-h200-2026-11-21.json \
-        --png docs/img/dense_decode-h200-2026-11-21.png > table.md
+    python -m bench.report bench/results/dense_decode-h100-80gb-hbm3-2026-11-24.json \
+        --png docs/img/dense_decode-h100-2026-11-24.png > table.md
 """
 
 from __future__ import annotations
