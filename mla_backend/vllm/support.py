@@ -67,6 +67,11 @@ def dense_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype:
     return _platform_reason(block_size, device_capability) or config_reason()
 
 
+def _query_tokens_per_draft(spec) -> int:
+    """Query tokens each speculative token adds to a decode row: 2 with parallel drafting."""
+    return 2 if spec.parallel_drafting else 1
+
+
 def max_decode_query_len(vllm_config) -> int:
     """Query tokens per request that vLLM sends down the decode path (1, or 1 + the
     speculative tokens, doubled drafts with parallel drafting): the builder's
@@ -76,7 +81,7 @@ def max_decode_query_len(vllm_config) -> int:
         return 1
     if spec is None or spec.num_speculative_tokens is None:
         return 1
-    return 1 + (2 if spec.parallel_drafting else 1) * spec.num_speculative_tokens
+    return 1 + _query_tokens_per_draft(spec) * spec.num_speculative_tokens
 
 
 def decode_heads(vllm_config) -> int:
@@ -99,9 +104,11 @@ def config_reason(vllm_config=None) -> str | None:
                 f"parallel size): {NAME} decodes at most {ops.MAX_HEADS}")
     q_len = max_decode_query_len(vllm_config)
     if q_len > ops.MAX_Q_TOKENS_PER_REQ:
+        per_draft = _query_tokens_per_draft(vllm_config.speculative_config)
+        how = " (1 + 2 x num_speculative_tokens with parallel drafting)" if per_draft == 2 else ""
         return (f"speculative decoding sends {q_len} query tokens per request to the decode "
-                f"kernel; {NAME} decodes at most {ops.MAX_Q_TOKENS_PER_REQ} (use "
-                f"num_speculative_tokens <= {ops.MAX_Q_TOKENS_PER_REQ - 1})")
+                f"kernel{how}; {NAME} decodes at most {ops.MAX_Q_TOKENS_PER_REQ} (use "
+                f"num_speculative_tokens <= {(ops.MAX_Q_TOKENS_PER_REQ - 1) // per_draft})")
     return None
 
 
@@ -138,8 +145,11 @@ def sparse_config_reason(vllm_config=None) -> str | None:
     if vllm_config is None or vllm_config.model_config is None:
         return None
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
-        return (f"decode context parallelism with DeepSeek-V3.2: {NAME}'s sparse path does not "
-                f"support it yet; use --attention-backend FLASHMLA_SPARSE or DCP size 1")
+        # vLLM 0.25 on Hopper: FLASHMLA_SPARSE returns no lse for the DCP merge,
+        # FLASH_ATTN_MLA_SPARSE refuses DCP, FLASHINFER_MLA_SPARSE needs Blackwell
+        return (f"decode context parallelism with DeepSeek-V3.2: neither {NAME}'s sparse path "
+                f"nor any vLLM 0.25 sparse MLA backend for Hopper runs it; use "
+                f"--decode-context-parallel-size 1")
     heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
     if heads > ops.MAX_HEADS:
         return (f"{heads} query heads per GPU (heads / tensor-parallel size): {NAME} runs at "

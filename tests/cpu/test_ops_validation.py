@@ -230,22 +230,34 @@ def test_whole_requests_floor(groups, units_per_req, ctas, heads, fp8, want):
     assert ops._whole_requests_floor(groups, units_per_req, ctas, 2, heads, fp8) == want
 
 
-def test_sparse_tiles_cover_every_head_count():
-    # every H runs on the wgmma kernel: one 64-row tile per 64 heads, 64-entry units, and
-    # one wave of CTAs over the SMs shared by the tiles
-    for heads in range(1, 129):
-        rows, unit, ctas = ops._sparse_grid(heads, 132)
-        assert (rows, unit) == (64, 64)
-        assert ctas == (132 if heads <= 64 else 66)
+@pytest.mark.parametrize("heads,sms,want", [
+    (1, 132, (64, 64, 132)), (64, 132, (64, 64, 132)),  # one 64-row tile: a CTA per SM
+    (65, 132, (64, 64, 66)), (128, 132, (64, 64, 66)),  # two tiles share the SMs
+    (16, 114, (64, 64, 114)), (128, 114, (64, 64, 57)),  # an H100 PCIe's 114 SMs
+])
+def test_sparse_grid_worked_by_hand(heads, sms, want):
+    assert ops._sparse_grid(heads, sms) == want
 
 
-def test_dense_tiles_for_every_row_count_and_both_cache_kinds():
-    # the plan's tiles depend on rows = s_q * H alone: a per-tensor fp8 cache runs on the same
-    # kernels as a 16-bit one (rows > 16: the wgmma kernel with its converting producer)
-    for rows in range(1, 8 * 128 + 1):
-        per_cta, unit, ctas = ops._grid(rows, 132)
-        if rows <= 16:
-            assert (per_cta, unit, ctas) == (16, 32, 264)
-        else:
-            m_tiles = -(-rows // 64)
-            assert (per_cta, unit) == (64, 64) and ctas == max(1, 132 // m_tiles)
+@pytest.mark.parametrize("rows,sms,want", [
+    (1, 132, (16, 32, 264)), (16, 132, (16, 32, 264)),  # mma.sync: 16-row tiles, 2 CTAs / SM
+    (17, 132, (64, 64, 132)), (64, 132, (64, 64, 132)),  # wgmma: 64-row tiles, 64-token units
+    (65, 132, (64, 64, 66)), (128, 132, (64, 64, 66)),
+    (129, 132, (64, 64, 44)), (512, 132, (64, 64, 16)),  # s_q 4 x H 128: 8 tiles
+    (1024, 132, (64, 64, 8)),                            # s_q 8 x H 128: 16 tiles
+    (16, 114, (16, 32, 228)), (1024, 114, (64, 64, 7)),
+])
+def test_dense_grid_worked_by_hand(rows, sms, want):
+    # the tiles depend on rows = s_q * H alone (a per-tensor fp8 cache runs on the same kernels)
+    assert ops._grid(rows, sms) == want
+
+
+@pytest.mark.parametrize("sms", [132, 114])
+def test_grids_fill_one_wave(sms):
+    # for every row count: all CTAs of all row tiles are resident at once (one wave: the
+    # planner gives every CTA the same units), and one CTA more per tile would not be
+    grids = [(heads, ops._sparse_grid(heads, sms), 1) for heads in range(1, 129)]
+    grids += [(rows, ops._grid(rows, sms), 2 if rows <= 16 else 1) for rows in range(1, 1025)]
+    for rows, (rows_per_cta, _, ctas), ctas_per_sm in grids:
+        tiles = -(-rows // rows_per_cta)
+        assert tiles * ctas <= sms * ctas_per_sm < tiles * (ctas + 1), (rows, ctas)

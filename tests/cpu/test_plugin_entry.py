@@ -5,13 +5,22 @@ import sys
 from importlib.metadata import entry_points
 
 
-def test_entry_point_declared_and_loads():
+def test_entry_point_declared_and_loads(monkeypatch):
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "mla_backend"]
     assert len(eps) == 1, "pip install the package (entry points come from its metadata)"
     register = eps[0].load()
     assert callable(register)
+    # idempotent: from a fresh start, two calls register CUSTOM once, as our router
+    from vllm.v1.attention.backends import registry
+
+    plugin, calls, real = sys.modules[register.__module__], [], registry.register_backend
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(registry, "register_backend",
+                        lambda *args: calls.append(args[1]) or real(*args))
     register()
-    register()  # idempotent
+    register()
+    assert calls == [plugin.ROUTER]
+    assert registry.AttentionBackendEnum.CUSTOM.get_path() == plugin.ROUTER
 
 
 def test_register_imports_neither_cuda_nor_our_backend():

@@ -166,6 +166,22 @@ def test_config_limits_heads_and_speculative_tokens(tmp_path):
     assert "256 query heads per GPU" in wide and "at most 128" in wide
 
 
+def test_spec_decode_refusal_names_the_limit_that_applies(tmp_path):
+    # the decode kernel takes 8 query tokens per request: 1 + k without parallel drafting
+    # (k <= 7), 1 + 2k with it (k <= 3)
+    serial = support.config_reason(_vllm_config(_model_dir(tmp_path), spec_tokens=8))
+    assert serial == ("speculative decoding sends 9 query tokens per request to the decode "
+                      "kernel; MLA_BACKEND decodes at most 8 (use num_speculative_tokens <= 7)")
+    cfg = _vllm_config(_model_dir(tmp_path), spec_tokens=3)
+    cfg.speculative_config.parallel_drafting = True
+    assert support.max_decode_query_len(cfg) == 7 and support.config_reason(cfg) is None
+    cfg.speculative_config.num_speculative_tokens = 4
+    assert support.config_reason(cfg) == (
+        "speculative decoding sends 9 query tokens per request to the decode kernel (1 + 2 x "
+        "num_speculative_tokens with parallel drafting); MLA_BACKEND decodes at most 8 (use "
+        "num_speculative_tokens <= 3)")
+
+
 # ----------------------------------------------------------------------- builder mapping
 
 
@@ -336,6 +352,17 @@ def test_sparse_config_limits(tmp_path):
     big = _vllm_config(_model_dir(tmp_path, **v32))
     big.scheduler_config.max_num_batched_tokens = 70000
     assert "max_num_batched_tokens 70000" in support.sparse_config_reason(big)
+
+
+def test_sparse_dcp_refusal_says_to_turn_dcp_off(tmp_path):
+    # no vLLM 0.25 sparse MLA backend runs DCP on Hopper: switching backends is no way out
+    v32 = {"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 256,
+           "index_n_heads": 4, "index_head_dim": 128}
+    cfg = _vllm_config(_model_dir(tmp_path, **v32), tp=2, dcp=2)
+    assert support.sparse_config_reason(cfg) == (
+        "decode context parallelism with DeepSeek-V3.2: neither MLA_BACKEND's sparse path nor "
+        "any vLLM 0.25 sparse MLA backend for Hopper runs it; use "
+        "--decode-context-parallel-size 1")
 
 
 def test_request_of_token_maps_mixed_batches():

@@ -1,0 +1,232 @@
+"""The gpu and e2e tiers skip without a CUDA device and fail, once and naming the cause, on a
+CUDA machine that cannot run them (tests/tier_gate.py, tests/conftest.py); the e2e cache's
+build identity (tests/e2e_cache.py). The CUDA device, the extension and vLLM are faked."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_backend import _extension
+from tests import e2e_cache, tier_gate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _touch(path: Path, mtime: float, text: str = "x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+@pytest.fixture
+def source_tree(tmp_path):
+    """A clone: mla_backend/ beside csrc/ (a source file in a subfolder, an hour old)."""
+    pkg = tmp_path / "clone" / "mla_backend"
+    pkg.mkdir(parents=True)
+    _touch(tmp_path / "clone" / "csrc" / "wgmma" / "decode.cu", 1_000_000 - 3600)
+    return pkg
+
+
+@pytest.fixture
+def fake_machine(monkeypatch):
+    """A CUDA device and an extension whose path, load error and build record the test sets."""
+    facts = {"path": None, "error": None, "record": "no build record (not installed)"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_extension, "extension_path", lambda: facts["path"])
+    monkeypatch.setattr(_extension, "load_error", lambda: facts["error"])
+    monkeypatch.setattr(_extension, "build_status", lambda: facts["record"])
+    monkeypatch.setattr(tier_gate, "installed_extension", lambda pkg_dir=None: None)
+    return facts
+
+
+def test_no_cuda_device_skips_both_tiers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_extension, "extension_path", lambda: None)
+    assert tier_gate.check("gpu") == ("skip", "gpu tier: no CUDA device")
+    assert tier_gate.check("e2e") == ("skip", "e2e tier: no CUDA device")
+
+
+def test_missing_extension_fails_the_gpu_tier(fake_machine):
+    fake_machine["error"] = "no mla_backend/_C*.so next to ..."
+    kind, cause = tier_gate.check("gpu")
+    assert kind == "fail"
+    assert cause == (f"extension missing: no _C*.so in {tier_gate.PKG_DIR}; build it: `python -m "
+                     f"pip install --no-build-isolation -e .` in the repository root (on the GPU "
+                     f"machine `bash scripts/gpu-check` does it)")
+    # setup.py's reason for not building it, when there is one
+    fake_machine["record"] = "skipped at build time: nvcc not found"
+    assert "(install record: skipped at build time: nvcc not found)" in tier_gate.check("gpu")[1]
+
+
+def test_missing_extension_named_by_the_environment(tmp_path):
+    cause = tier_gate.extension_problem(tmp_path / "mla_backend", str(tmp_path / "gone.so"),
+                                        "loading failed")
+    assert cause.startswith(f"extension missing: MLA_BACKEND_EXTENSION names {tmp_path}/gone.so,"
+                            f" which does not exist")
+
+
+def test_source_tree_without_so_while_an_installed_copy_has_one(source_tree, tmp_path):
+    installed = _touch(tmp_path / "site" / "mla_backend" / "_C.abi3.so", 1_000_000)
+    cause = tier_gate.extension_problem(source_tree, None, "no .so", installed_so=installed)
+    assert cause == (f"extension not in the source tree: mla_backend was imported from "
+                     f"{source_tree}, which has no _C*.so, while the installed copy has "
+                     f"{installed}; the tests import the source tree, so build the extension in "
+                     f"place: `python -m pip install --no-build-isolation -e .` in "
+                     f"{source_tree.parent}")
+
+
+def test_installed_extension_found_through_the_distribution(monkeypatch, source_tree, tmp_path):
+    site = tmp_path / "site"
+    _touch(site / "mla_backend" / "_C.abi3.so", 1_000_000)
+
+    class Dist:
+        files = [metadata.PackagePath("mla_backend/ops.py"),
+                 metadata.PackagePath("mla_backend/_C.abi3.so")]
+
+        @staticmethod
+        def locate_file(f):
+            return site / f
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: Dist)
+    assert tier_gate.installed_extension(source_tree) == site / "mla_backend" / "_C.abi3.so"
+    # an editable install's package is the source tree itself: no other copy
+    assert tier_gate.installed_extension(site / "mla_backend") is None
+
+
+def test_stale_extension_fails_even_when_it_loads(source_tree):
+    so = _touch(source_tree / "_C.abi3.so", 1_000_000)
+    assert tier_gate.extension_problem(source_tree, str(so), None) is None
+    _touch(source_tree.parent / "csrc" / "sparse" / "kernel.cuh", 1_000_000 + 60)
+    cause = tier_gate.extension_problem(source_tree, str(so), None)
+    assert cause.startswith(f"extension stale: {so} (built ")
+    assert "is older than csrc/sparse/kernel.cuh (modified " in cause
+    assert cause.endswith("so it may not be the code under test; rebuild it: `python setup.py "
+                          "build_ext --inplace --force` in the repository root (`bash "
+                          "scripts/gpu-check` does it)")
+    # stale wins over a load error: rebuilding fixes both
+    assert tier_gate.extension_problem(source_tree, str(so), "undefined symbol: x").startswith(
+        "extension stale")
+    # an installed copy has no csrc/ beside it: staleness cannot be decided, a loading .so runs
+    installed = _touch(source_tree.parent.parent / "site" / "mla_backend" / "_C.abi3.so", 1)
+    assert tier_gate.extension_problem(installed.parent, str(installed), None) is None
+
+
+@pytest.mark.parametrize("error", [
+    "loading /x/_C.abi3.so failed: /x/_C.abi3.so: undefined symbol: _ZN3c104cuda9SetDeviceEa",
+    "loading /x/_C.abi3.so failed: /lib/libstdc++.so.6: version `GLIBCXX_3.4.32' not found",
+])
+def test_abi_mismatch_names_the_running_torch(source_tree, tmp_path, error):
+    running = (f"torch {torch.__version__} (CUDA {torch.version.cuda}) from "
+               f"{Path(torch.__file__).parent}")
+    so = _touch(tmp_path / "site" / "mla_backend" / "_C.abi3.so", 1_000_000)
+    assert tier_gate.extension_problem(so.parent, str(so), error) == (
+        f"extension built for another torch/ABI: {so} does not load into {running} ({error}); "
+        f"rebuild it against this torch: `python -m pip install --no-build-isolation --no-deps "
+        f"--force-reinstall .` from the repository")
+    # in a source tree (the .so newer than csrc/): rebuilt in place
+    so = _touch(source_tree / "_C.abi3.so", 1_000_000)
+    assert tier_gate.extension_problem(source_tree, str(so), error).endswith(
+        "rebuild it against this torch: `python setup.py build_ext --inplace --force` in the "
+        "repository root")
+
+
+def test_other_load_failure_is_reported_as_is(tmp_path):
+    so = _touch(tmp_path / "mla_backend" / "_C.abi3.so", 1_000_000)
+    error = f"loading {so} failed: libcudart.so.13: cannot open shared object file"
+    assert (tier_gate.extension_problem(so.parent, str(so), error)
+            == f"extension failed to load: {error}")
+
+
+def test_e2e_tier_fails_without_vllm(fake_machine, monkeypatch, tmp_path):
+    fake_machine["path"] = str(_touch(tmp_path / "mla_backend" / "_C.abi3.so", 1_000_000))
+    monkeypatch.setattr(tier_gate, "PKG_DIR", tmp_path / "mla_backend")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    assert tier_gate.check("gpu") is None
+    kind, cause = tier_gate.check("e2e")
+    assert kind == "fail" and cause.startswith("vLLM cannot be imported (ModuleNotFoundError: ")
+    assert cause.endswith("; run the tier with `bash scripts/gpu-e2e` (it puts the vLLM kit "
+                          "/opt/vk/site on PYTHONPATH) or install vllm==0.25.0")
+
+
+def test_failure_message_names_the_tiers():
+    assert (tier_gate.failure_message(["gpu", "e2e"], "extension missing: ...")
+            == "this machine has a CUDA device, but the gpu tier and the e2e tier cannot run: "
+               "extension missing: ...")
+
+
+_FAKE_CUDA = textwrap.dedent("""
+    import os, torch
+    from mla_backend import _extension
+    from tests import tier_gate
+    torch.cuda.is_available = lambda: os.environ["FAKE_CUDA"] == "1"
+    _extension.extension_path = lambda: None
+    _extension.load_error = lambda: "no mla_backend/_C*.so"
+    _extension.build_status = lambda: "no build record"
+    tier_gate.installed_extension = lambda pkg_dir=None: None
+""")
+
+
+@pytest.mark.parametrize("cuda", ["1", "0"])
+def test_pytest_run_fails_once_with_a_gpu_skips_without(tmp_path, cuda):
+    # `pytest` over the gpu tests and one cpu test, as a plain `python -m pytest` would select
+    (tmp_path / "fake_cuda.py").write_text(_FAKE_CUDA)
+    env = dict(os.environ, FAKE_CUDA=cuda,
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "fake_cuda", "-p", "no:cacheprovider", "-q",
+         "tests/gpu",
+         "tests/cpu/test_planner.py::test_units_per_cta_balances_and_respects_minimum"],
+        cwd=ROOT, env=env, capture_output=True, text=True)
+    out = res.stdout + res.stderr
+    if cuda == "1":
+        assert res.returncode == 1, out
+        # one failing item with the whole message in place of the gpu tests; the cpu test runs
+        assert out.count("FAILED tests/conftest.py::gpu-tier-gate") == 1
+        assert out.count("this machine has a CUDA device, but the gpu tier cannot run: "
+                         "extension missing: no _C*.so in") == 1
+        assert "1 failed, 1 passed" in out and " deselected" in out
+    else:
+        assert res.returncode == 0, out
+        assert "1 passed" in out and "skipped" in out and "gpu tier: no CUDA device" in out
+
+
+# ----------------------------------------------------------------------- e2e build identity
+
+
+def test_build_identity_hashes_the_extension_and_the_sources(monkeypatch, tmp_path):
+    so = tmp_path / "_C.abi3.so"
+    so.write_bytes(b"kernel one")
+    monkeypatch.setattr(_extension, "extension_path", lambda: str(so))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.25.0"))
+    ident = e2e_cache.build_identity()
+    assert ident["extension_sha256"] == hashlib.sha256(b"kernel one").hexdigest()
+    assert ident["vllm_version"] == "0.25.0"
+    assert ident["torch_version"] == torch.__version__
+    assert len(ident["python_sources_sha256"]) == 64
+    so.write_bytes(b"kernel two")
+    assert e2e_cache.build_identity()["extension_sha256"] != ident["extension_sha256"]
+    monkeypatch.setattr(_extension, "extension_path", lambda: None)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert e2e_cache.build_identity()["extension_sha256"] is None
+    assert e2e_cache.build_identity()["vllm_version"] is None
+
+
+def test_python_sources_hash_follows_every_py_file(tmp_path):
+    pkg = tmp_path / "mla_backend"
+    _touch(pkg / "ops" / "__init__.py", 1, "A = 1\n")
+    _touch(pkg / "vllm" / "dense.py", 1, "B = 2\n")
+    _touch(pkg / "_build_info.py", 1, "CUDA_EXTENSION = 'built'\n")
+    first = e2e_cache.python_sources_sha256((pkg,))
+    (pkg / "_build_info.py").write_text("CUDA_EXTENSION = 'other'\n")  # generated: ignored
+    assert e2e_cache.python_sources_sha256((pkg,)) == first
+    (pkg / "vllm" / "dense.py").write_text("B = 3\n")  # the adapter matters too
+    assert e2e_cache.python_sources_sha256((pkg,)) != first
