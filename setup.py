@@ -10,6 +10,7 @@ Env vars:
 """
 
 import glob
+import importlib.util
 import os
 import shutil
 import sys
@@ -19,12 +20,25 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def _record(status: str) -> None:
+def _record(status: str, sources: str | None = None) -> None:
     """Keep the build decision in the package: pip hides a successful build's output
-    (`pip install -v .` shows it), so mla_backend reports it when the extension is missing."""
+    (`pip install -v .` shows it), so mla_backend reports it when the extension is missing.
+    sources: the fingerprint of csrc/ + setup.py the extension is built from (the test tiers
+    refuse a .so built from other sources)."""
     with open(os.path.join(ROOT, "mla_backend", "_build_info.py"), "w") as f:
         f.write('"""Written by setup.py: how the CUDA extension was (not) built."""\n\n')
         f.write(f"CUDA_EXTENSION = {status!r}\n")
+        f.write(f"SOURCES_SHA256 = {sources!r}\n")
+
+
+def _sources_sha256() -> str | None:
+    """mla_backend._sources.sources_sha256 of this tree (loaded by path: the package itself
+    may not be importable at build time)."""
+    spec = importlib.util.spec_from_file_location(
+        "_mla_backend_sources", os.path.join(ROOT, "mla_backend", "_sources.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.sources_sha256(ROOT)
 
 
 def _skip(reason: str) -> dict:
@@ -89,7 +103,7 @@ def _cuda_extension_kwargs() -> dict:
     )
     print(f"mla_backend: building CUDA extension for sm_90a with nvcc {nvcc}, "
           f"CUTLASS headers {cutlass}, MAX_JOBS={os.environ['MAX_JOBS']}", file=sys.stderr)
-    _record(f"built for sm_90a against torch {torch.__version__}")
+    _record(f"built for sm_90a against torch {torch.__version__}", _sources_sha256())
     return {
         "ext_modules": [ext],
         "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -134,6 +134,16 @@ def build_status() -> str:
     return _build_info.CUDA_EXTENSION
 
 
+def build_sources() -> str | None:
+    """The fingerprint (_sources.sources_sha256) of the sources setup.py last built this
+    package's extension from, or None if it recorded none."""
+    try:
+        from . import _build_info
+    except ImportError:
+        return None
+    return getattr(_build_info, "SOURCES_SHA256", None)
+
+
 def require(op_name: str) -> None:
     """Raise ExtensionNotBuiltError naming `op_name` unless the extension is loaded."""
     if not load():

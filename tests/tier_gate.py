@@ -2,22 +2,23 @@
 
 Without a CUDA device both tiers are skipped. With one, a tier that cannot run is a failure
 with one message naming the cause, so a GPU machine never passes a tier by skipping it: the
-extension is missing (or only an installed copy elsewhere has it), stale (older than a
-source under csrc/, so possibly not the code under test), built against another torch, or
-fails to load for another reason; for e2e also: vLLM does not import.
+extension is missing (or only an installed copy elsewhere has it), stale (built from other
+sources than the tree's csrc/ and setup.py, so possibly not the code under test), built
+against another torch, or fails to load for another reason; for e2e also: vLLM does not
+import.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import time
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
 from mla_backend import _extension
+from mla_backend._sources import sources_sha256
 
 PKG_DIR = Path(_extension.__file__).resolve().parent
 BUILD = ("`python -m pip install --no-build-isolation -e .` in the repository root (on the GPU "
@@ -25,12 +26,6 @@ BUILD = ("`python -m pip install --no-build-isolation -e .` in the repository ro
 # in place and unconditional: setuptools alone would not see a changed header
 REBUILD_IN_PLACE = "`python setup.py build_ext --inplace --force` in the repository root"
 REINSTALL = "`python -m pip install --no-build-isolation --no-deps --force-reinstall .`"
-
-
-def newest_source(csrc: Path) -> Path | None:
-    """The most recently modified file anywhere under csrc/ (None if there is none)."""
-    files = [p for p in csrc.rglob("*") if p.is_file()]
-    return max(files, key=lambda p: p.stat().st_mtime) if files else None
 
 
 def installed_extension(pkg_dir: Path = PKG_DIR) -> Path | None:
@@ -52,16 +47,17 @@ def running_torch() -> str:
             f"{Path(torch.__file__).parent}")
 
 
-def _when(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
-
-
 def extension_problem(pkg_dir: Path, so_path: str | None, load_error: str | None, *,
-                      installed_so: Path | None = None, build_record: str = "") -> str | None:
+                      installed_so: Path | None = None, build_record: str = "",
+                      recorded_sources: str | None = None,
+                      env_override: bool = False) -> str | None:
     """Why the extension at so_path (extension_path()) is not the one to test, or None.
 
     pkg_dir is the imported mla_backend package; when csrc/ sits beside it (a source tree)
-    the extension must be newer than every file under csrc/. load_error is load_error()."""
+    the package's own extension must have been built from exactly that tree's csrc/ and
+    setup.py (recorded_sources: the fingerprint setup.py recorded; env_override: so_path came
+    from $MLA_BACKEND_EXTENSION, a build chosen on purpose, not checked). load_error is
+    load_error()."""
     csrc = pkg_dir.parent / "csrc"
     source_tree = csrc.is_dir()
     if so_path is None:
@@ -75,13 +71,13 @@ def extension_problem(pkg_dir: Path, so_path: str | None, load_error: str | None
     if not os.path.exists(so_path):
         return (f"extension missing: MLA_BACKEND_EXTENSION names {so_path}, which does not "
                 f"exist; unset it or point it at a built _C*.so")
-    if source_tree:
-        newest = newest_source(csrc)
-        built = os.path.getmtime(so_path)
-        if newest is not None and newest.stat().st_mtime > built:
-            return (f"extension stale: {so_path} (built {_when(built)}) is older than "
-                    f"{newest.relative_to(pkg_dir.parent)} (modified "
-                    f"{_when(newest.stat().st_mtime)}), so it may not be the code under test; "
+    if source_tree and not env_override:
+        tree = sources_sha256(pkg_dir.parent)
+        if recorded_sources != tree:
+            what = ("has no record of the sources it was built from" if recorded_sources is None
+                    else f"was built from other sources (fingerprint {recorded_sources[:12]}) "
+                         f"than this tree's csrc/ + setup.py ({tree[:12]})")
+            return (f"extension stale: {so_path} {what}, so it may not be the code under test; "
                     f"rebuild it: {REBUILD_IN_PLACE} (`bash scripts/gpu-check` does it)")
     if load_error is None:
         return None
@@ -112,7 +108,9 @@ def check(tier: str) -> tuple[str, str] | None:
     installed = installed_extension(PKG_DIR) if so_path is None else None
     record = _extension.build_status()
     problem = extension_problem(PKG_DIR, so_path, _extension.load_error(), installed_so=installed,
-                                build_record="" if record.startswith("no build record") else record)
+                                build_record="" if record.startswith("no build record") else record,
+                                recorded_sources=_extension.build_sources(),
+                                env_override=bool(os.environ.get("MLA_BACKEND_EXTENSION")))
     if problem is None and tier == "e2e":
         problem = vllm_problem()
     return None if problem is None else ("fail", problem)

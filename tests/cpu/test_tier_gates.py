@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mla_backend import _extension
+from mla_backend._sources import sources_sha256
 from tests import e2e_cache, tier_gate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,20 +105,43 @@ def test_installed_extension_found_through_the_distribution(monkeypatch, source_
 
 def test_stale_extension_fails_even_when_it_loads(source_tree):
     so = _touch(source_tree / "_C.abi3.so", 1_000_000)
-    assert tier_gate.extension_problem(source_tree, str(so), None) is None
-    _touch(source_tree.parent / "csrc" / "sparse" / "kernel.cuh", 1_000_000 + 60)
-    cause = tier_gate.extension_problem(source_tree, str(so), None)
-    assert cause.startswith(f"extension stale: {so} (built ")
-    assert "is older than csrc/sparse/kernel.cuh (modified " in cause
-    assert cause.endswith("so it may not be the code under test; rebuild it: `python setup.py "
-                          "build_ext --inplace --force` in the repository root (`bash "
-                          "scripts/gpu-check` does it)")
+    built_from = sources_sha256(source_tree.parent)
+    assert tier_gate.extension_problem(source_tree, str(so), None,
+                                       recorded_sources=built_from) is None
+    # a source changes after the build; file times say nothing (the .so is the newer file)
+    _touch(source_tree.parent / "csrc" / "sparse" / "kernel.cuh", 1)
+    cause = tier_gate.extension_problem(source_tree, str(so), None, recorded_sources=built_from)
+    tree = sources_sha256(source_tree.parent)
+    assert cause == (f"extension stale: {so} was built from other sources (fingerprint "
+                     f"{built_from[:12]}) than this tree's csrc/ + setup.py ({tree[:12]}), so it "
+                     f"may not be the code under test; rebuild it: `python setup.py build_ext "
+                     f"--inplace --force` in the repository root (`bash scripts/gpu-check` does "
+                     f"it)")
+    # no record of its sources: it cannot be shown to be the code under test
+    assert tier_gate.extension_problem(source_tree, str(so), None).startswith(
+        f"extension stale: {so} has no record of the sources it was built from")
     # stale wins over a load error: rebuilding fixes both
     assert tier_gate.extension_problem(source_tree, str(so), "undefined symbol: x").startswith(
         "extension stale")
+    # a build chosen with $MLA_BACKEND_EXTENSION is taken as it is
+    assert tier_gate.extension_problem(source_tree, str(so), None, env_override=True) is None
     # an installed copy has no csrc/ beside it: staleness cannot be decided, a loading .so runs
     installed = _touch(source_tree.parent.parent / "site" / "mla_backend" / "_C.abi3.so", 1)
     assert tier_gate.extension_problem(installed.parent, str(installed), None) is None
+
+
+def test_sources_fingerprint_covers_csrc_at_any_depth_and_setup_py(tmp_path):
+    _touch(tmp_path / "csrc" / "a.cu", 1, "A")
+    first = sources_sha256(tmp_path)
+    assert first == sources_sha256(tmp_path)  # deterministic
+    _touch(tmp_path / "csrc" / "a.cu", 5, "A")
+    assert sources_sha256(tmp_path) == first  # content, not times
+    _touch(tmp_path / "csrc" / "deep" / "b.cuh", 1, "B")
+    second = sources_sha256(tmp_path)
+    assert second != first
+    _touch(tmp_path / "setup.py", 1, "S")
+    assert sources_sha256(tmp_path) not in (first, second)
+    assert sources_sha256(tmp_path / "nowhere") is None
 
 
 @pytest.mark.parametrize("error", [
@@ -132,9 +156,11 @@ def test_abi_mismatch_names_the_running_torch(source_tree, tmp_path, error):
         f"extension built for another torch/ABI: {so} does not load into {running} ({error}); "
         f"rebuild it against this torch: `python -m pip install --no-build-isolation --no-deps "
         f"--force-reinstall .` from the repository")
-    # in a source tree (the .so newer than csrc/): rebuilt in place
+    # in a source tree (built from its sources): rebuilt in place
     so = _touch(source_tree / "_C.abi3.so", 1_000_000)
-    assert tier_gate.extension_problem(source_tree, str(so), error).endswith(
+    assert tier_gate.extension_problem(
+        source_tree, str(so), error,
+        recorded_sources=sources_sha256(source_tree.parent)).endswith(
         "rebuild it against this torch: `python setup.py build_ext --inplace --force` in the "
         "repository root")
 
