@@ -11,11 +11,14 @@ mode ("eager": enforce_eager; "graphs": FULL CUDA graphs for decode, no torch.co
 max_num_batched_tokens, tensor_parallel_size, gpu_memory_utilization, speculative (vLLM's
 speculative_config or null), async_scheduling (null: vLLM's default), tokenizer (bool: the
 model dir has one), prompts (token-id lists), max_tokens, logprobs, and optionally timing
-{prompt_len, batch, steps, repeats}: decode-step time (see _time_decode).
+{prompt_len, batch, steps, repeats}: decode-step time (see _time_decode), and preload
+{module: options}: modules imported into the engine's process before the engine is built
+(see _preload).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -32,6 +35,25 @@ def entry_point_installed() -> bool:
 
     return any(ep.name == "mla_backend" and ep.value == ENTRY_POINT
                for ep in entry_points(group="vllm.general_plugins"))
+
+
+def _preload(spec: dict) -> dict:
+    """Import each module named in spec["preload"] and call its install(options), before the
+    engine exists, so that what it patches (e.g. an op looked up at call time) is what the
+    engine runs. The engine core and its one worker must then run in this process:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 and one GPU (vLLM's uni-process executor). Returns the
+    imported modules by name."""
+    preload = spec.get("preload") or {}
+    if preload:
+        if spec.get("tensor_parallel_size", 1) > 1:
+            raise ValueError("preload modules reach the engine only with one GPU "
+                             "(tensor_parallel_size 1): other ranks run in other processes")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    modules = {}
+    for name, options in preload.items():
+        modules[name] = importlib.import_module(name)
+        modules[name].install(options or {})
+    return modules
 
 
 def _llm(spec: dict):
@@ -145,6 +167,7 @@ def main(argv: list[str]) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     t0 = time.perf_counter()
+    preloaded = _preload(spec)
     llm = _llm(spec)
     result = {"spec": {k: v for k, v in spec.items() if k != "prompts"},
               "engine_start_s": time.perf_counter() - t0}
@@ -159,6 +182,10 @@ def main(argv: list[str]) -> int:
             result["timing"] = _time_decode(llm, spec["timing"])
         except Exception as e:  # the outputs above still stand; the caller reports this
             result["timing_error"] = f"{type(e).__name__}: {e}"
+    # what each preloaded module saw in the engine (if it reports anything)
+    reports = {name: mod.report() for name, mod in preloaded.items() if hasattr(mod, "report")}
+    if reports:
+        result["preload"] = reports
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0

@@ -1,24 +1,37 @@
-"""What the e2e tests share: the engine spec and prompts, engine runs in their own processes
-(mla_backend.demo.engines) cached for the session (and in $E2E_CACHE_DIR across sessions on
-one machine, when set), every comparison written to $E2E_REPORT (JSON) when set, and the
-closeness check against a peer backend.
+"""What the e2e tests share: the tiny checkpoints, the engine spec and prompts, engine runs in
+their own processes (mla_backend.demo.engines), each run once per session and, when
+$E2E_CACHE_DIR is set, cached across sessions under a key of the build and the inputs
+(build_identity, cache_key), every comparison written to $E2E_REPORT (JSON) when set, and
+the closeness rule against a peer backend.
 
-Prompts of 1 to 3000 tokens go in one batch with max_num_batched_tokens 1024, so steps mix
-prefills and decodes, and the 3000-token prompt is prefilled in chunks that read the context
-back from our cache. The first generated token comes from prefill alone; decode kernels
-show from the second on (12 tokens per prompt).
+Prompts of 1 to 8200 tokens go in one batch with max_num_batched_tokens 1024, so steps mix
+prefills and decodes, and the long prompts are prefilled in chunks that read the context back
+from the cache. The first generated token comes from prefill alone; decode kernels show from
+the second on (12 tokens per prompt).
 """
 
+from __future__ import annotations
+
+import functools
+import hashlib
 import json
 import os
+import pathlib
+from importlib import metadata
 
-from mla_backend.demo import engines
+from mla_backend.demo import engines, tiny_model
 
-PROMPT_LENS = [1, 7, 64, 300, 1000, 3000]
-BASE = {"mode": "graphs", "max_model_len": 4096, "max_num_seqs": 32, "max_num_batched_tokens": 1024,
-        "gpu_memory_utilization": 0.3, "max_tokens": 12, "logprobs": 5}
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HOOKS = "tests.e2e.hooks"  # imported into an engine's process by engine_run (spec "preload")
+PROMPT_LENS = [1, 7, 64, 300, 1000, 3000, 8200]
+MAX_POSITIONS = 16384  # the checkpoints' max_position_embeddings, above max_model_len
+BASE = {"mode": "graphs", "max_model_len": 8704, "max_num_seqs": 32,
+        "max_num_batched_tokens": 1024, "gpu_memory_utilization": 0.3, "max_tokens": 12,
+        "logprobs": 5}
+MIN_TOPK_OVERLAP = 0.6
 _results: dict = {}
 _report: dict = {}
+_written: set = set()
 
 
 def prompts():
@@ -28,28 +41,117 @@ def prompts():
     return [torch.randint(2, 2048, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def run(workdir, key: str, **spec) -> dict:
-    """The engine's result for BASE + prompts + spec, run once per key (workdir: the session's
-    folder for models and logs)."""
-    if key not in _results:
-        cache = os.environ.get("E2E_CACHE_DIR")
-        cached = os.path.join(cache, f"{key}.json") if cache else None
-        full = dict(BASE, prompts=prompts(), **spec)
-        if cached and os.path.exists(cached):
-            with open(cached) as f:
-                res = json.load(f)
-            assert res["spec"] == {k: v for k, v in full.items() if k != "prompts"}, key
-        else:
-            log = str(workdir / f"{key}.log")
-            res = engines.run_engine(full, log, label=key, timeout_s=600)
-            res["log"] = open(log, errors="replace").read()
-            if cached:
-                os.makedirs(cache, exist_ok=True)
-                with open(cached, "w") as f:
-                    json.dump(res, f)
-        _results[key] = res
-        save(key, {k: v for k, v in res.items() if k not in ("log", "outputs", "spec")})
-    return _results[key]
+def model(workdir, arch: str = "v3", heads: int = 16, **kwargs) -> str:
+    """A tiny checkpoint (2 layers) in workdir, written once per session (a folder left by an
+    earlier session is rewritten: it may come from another tiny_model)."""
+    name = "-".join(["tiny", arch, f"h{heads}"]
+                    + [f"{k}{_flat(v)}" for k, v in sorted(kwargs.items())])
+    path = pathlib.Path(workdir) / name
+    if name not in _written:
+        tiny_model.write_checkpoint(str(path), arch=arch, heads=heads, layers=2,
+                                    max_positions=MAX_POSITIONS, **kwargs)
+        _written.add(name)
+    return str(path)
+
+
+def _flat(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+
+def _sha256_files(paths, base: pathlib.Path | None = None) -> str:
+    h = hashlib.sha256()
+    for p in sorted(map(pathlib.Path, paths)):
+        h.update(str(p.relative_to(base) if base else p.name).encode() + b"\0")
+        h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def build_identity() -> dict:
+    """What the engines' results depend on besides their inputs: the extension's content
+    (sha256 of the file mla_backend._extension.extension_path() names, None when there is
+    none), the vLLM version, and mla_backend's Python sources (ops, adapters, formats, the
+    engine runner, the tiny checkpoints) with the entry point and the test hooks that engines
+    import."""
+    import mla_backend
+    from mla_backend import _extension
+
+    ext = _extension.extension_path()
+    package = pathlib.Path(mla_backend.__file__).parent
+    sources = [*package.rglob("*.py"), *(ROOT / "plugin_entry").glob("*.py"),
+               ROOT / "tests" / "e2e" / "hooks.py"]
+    return {"extension_sha256": _sha256_files([ext]) if ext and os.path.isfile(ext) else None,
+            "vllm": _vllm_version(),
+            "python_sources_sha256": _sha256_files(sources, base=package.parent)}
+
+
+def _vllm_version() -> str | None:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _model_sha256(path: str) -> str | None:
+    files = sorted(p for p in pathlib.Path(path).glob("*") if p.is_file())
+    stats = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _sha256_of(stats) if files else None
+
+
+@functools.cache
+def _sha256_of(stats: tuple) -> str:
+    """The files' hash, once per (name, size, mtime) state of a checkpoint."""
+    return _sha256_files(s[0] for s in stats)
+
+
+def cache_key(spec: dict, identity: dict | None = None) -> str:
+    """sha256 of the build identity and the run's inputs: the full spec (prompts included)
+    and the checkpoint's files. A run of one of vLLM's own backends never loads our extension
+    (the plugin registers CUSTOM by name only), so its key leaves the extension's hash out."""
+    identity = dict(build_identity() if identity is None else identity)
+    if spec.get("backend") != "CUSTOM":
+        identity.pop("extension_sha256", None)
+    inputs = dict(spec, model_sha256=_model_sha256(spec["model"]))
+    blob = json.dumps({"build": identity, "inputs": inputs}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def run(workdir, key: str, hooks: dict | None = None, **spec) -> dict:
+    """The engine's result for BASE + prompts + spec, run once per key in a session (workdir:
+    the session's folder for models and logs). hooks: options for tests/e2e/hooks.py, which
+    the engine's process then imports (its report comes back as result["hooks"]). With
+    $E2E_CACHE_DIR, a result stored there under the same cache_key is reused; one under
+    another key is run again and replaced."""
+    if key in _results:
+        return _results[key]
+    full = dict(BASE, prompts=prompts(), **spec)
+    if hooks is not None:
+        full["preload"] = {HOOKS: hooks}
+    digest = cache_key(full)
+    cache = os.environ.get("E2E_CACHE_DIR")
+    cached = os.path.join(cache, f"{key}.json") if cache else None
+    res = None
+    if cached and os.path.exists(cached):
+        with open(cached) as f:
+            entry = json.load(f)
+        if entry.get("cache_key") == digest:
+            res = entry["result"]
+    from_cache = res is not None
+    if res is None:
+        log = str(pathlib.Path(workdir) / f"{key}.log")
+        # the engine's process imports tests.e2e.hooks: the repository root on its path
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        res = engines.run_engine(full, log, label=key, timeout_s=600, env={"PYTHONPATH": path})
+        res["log"] = open(log, errors="replace").read()
+        if cached:
+            os.makedirs(cache, exist_ok=True)
+            with open(cached, "w") as f:
+                json.dump({"cache_key": digest, "result": res}, f)
+    res["hooks"] = res.get("preload", {}).get(HOOKS)
+    _results[key] = res
+    save(key, dict({k: v for k, v in res.items() if k not in ("log", "outputs", "spec", "preload")},
+                   cache_key=digest[:16], from_cache=from_cache))
+    return res
 
 
 def save(key, value):
@@ -60,13 +162,37 @@ def save(key, value):
             json.dump(_report, f, indent=1)
 
 
+def failures(cmp: dict, tol: float) -> list[str]:
+    """The closeness rule's verdict on engines.compare(ours, peer): the criteria it fails
+    (empty: close). Decode positions (after the prefill's first token) must be compared, the
+    largest |top-5 logprob difference| must be <= tol and the top-5 overlap >= 0.6."""
+    failed = []
+    if cmp["positions_compared"] < len(PROMPT_LENS) * 2:
+        failed.append(f"positions_compared {cmp['positions_compared']} < "
+                      f"{len(PROMPT_LENS) * 2}")
+    if cmp["max_abs_logprob_diff"] > tol:
+        failed.append(f"max_abs_logprob_diff {cmp['max_abs_logprob_diff']:.4f} > {tol:.4f}")
+    if cmp["min_topk_overlap"] < MIN_TOPK_OVERLAP:
+        failed.append(f"min_topk_overlap {cmp['min_topk_overlap']:.2f} < {MIN_TOPK_OVERLAP}")
+    return failed
+
+
 def check_close(name, ours, peer, tol):
-    """ours' outputs against peer's: decode positions compared, max |top-5 logprob
-    difference| <= tol, top-5 overlap >= 0.6; the comparison goes to the report."""
+    """ours' outputs against peer's under the closeness rule (failures); the comparison goes
+    to the report."""
     cmp = engines.compare(ours["outputs"], peer["outputs"])
-    save(name, dict(cmp, tolerance=tol))
-    # decode positions (after the prefill's first token) were compared
-    assert cmp["positions_compared"] >= len(PROMPT_LENS) * 2, cmp
-    assert cmp["max_abs_logprob_diff"] <= tol, (name, cmp, tol)
-    assert cmp["min_topk_overlap"] >= 0.6, (name, cmp)
+    failed = failures(cmp, tol)
+    save(name, dict(cmp, tolerance=tol, failed=failed))
+    assert not failed, (name, failed, cmp)
+    return cmp
+
+
+def check_fails(name, wrong, peer, tol):
+    """A negative control: a deliberately wrong kernel's outputs must FAIL the closeness rule
+    on the logprobs or the top-5 overlap (not only on the number of compared positions)."""
+    cmp = engines.compare(wrong["outputs"], peer["outputs"])
+    failed = failures(cmp, tol)
+    save(name, dict(cmp, tolerance=tol, failed=failed, negative_control=True))
+    assert any(f.startswith(("max_abs_logprob_diff", "min_topk_overlap")) for f in failed), (
+        f"{name}: the wrong kernel passed the closeness rule", cmp, tol)
     return cmp

@@ -1,0 +1,145 @@
+"""The e2e tier's test-only hooks (tests/e2e/hooks.py) and how an engine's process loads
+them (mla_backend.demo.engine_run, spec key "preload"): each option patches what it says and
+nothing else, the perturbations change the kernel's inputs as documented, and the peer's
+cache rounding matches the fp8_ds_mla format."""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from mla_backend import formats, ops
+from mla_backend.demo import engine_run
+from mla_backend.ops import dense, sparse
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """A fresh hooks module; whatever it patches is put back after the test."""
+    monkeypatch.setattr(ops, "mla_decode", ops.mla_decode)
+    monkeypatch.setattr(ops, "sparse_mla_decode", ops.sparse_mla_decode)
+    sys.modules.pop("tests.e2e.hooks", None)
+    module = importlib.import_module("tests.e2e.hooks")
+    yield module
+    sys.modules.pop("tests.e2e.hooks", None)
+
+
+class _Plan:
+    q_tokens_per_req, num_heads, kv_fp8 = 1, 16, False
+
+
+def _record(monkeypatch, module, name):
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "result"
+
+    monkeypatch.setattr(module, name, fake)
+    return calls
+
+
+def test_options_are_checked(hooks):
+    with pytest.raises(ValueError, match="unknown hook options"):
+        hooks.install({"perturbation": "x"})
+    with pytest.raises(ValueError, match="perturb must be one of"):
+        hooks.install({"perturb": "scale"})
+    with pytest.raises(ValueError, match="round_cache_to"):
+        hooks.install({"round_cache_to": "fp8"})
+
+
+def test_no_option_patches_nothing(hooks):
+    before = (ops.mla_decode, ops.sparse_mla_decode)
+    hooks.install({})
+    assert (ops.mla_decode, ops.sparse_mla_decode) == before
+
+
+def test_count_records_s_q_and_kv_scale_and_passes_arguments_through(hooks, monkeypatch):
+    calls = _record(monkeypatch, dense, "mla_decode")
+    hooks.install({"count": True})
+    q = torch.zeros(3, 4, 16, 576)
+    scale = torch.tensor(1.5)
+    lens = torch.tensor([5, 70, 130], dtype=torch.int32)
+    assert ops.mla_decode(q, "cache", "table", lens, "plan", 0.1, causal=True,
+                          kv_scale=scale) == "result"
+    ops.mla_decode(q[:, :1], "cache", "table", lens, "plan", 0.1, kv_scale=scale)
+    args, kwargs = calls[0]
+    assert args[3] is lens and args[4] == "plan" and kwargs["kv_scale"] is scale
+    rep = hooks.report()
+    assert rep["mla_decode_calls_by_s_q"] == {"1": 1, "4": 1}
+    assert rep["mla_decode_kv_scales"] == [1.5]
+    assert rep["perturbed_calls"] == 0
+
+
+def test_partial_page_dropped(hooks, monkeypatch):
+    """seq_len rounded down to whole pages, with a plan made for those lengths."""
+    calls = _record(monkeypatch, dense, "mla_decode")
+    plans = []
+    monkeypatch.setattr(dense, "plan_decode",
+                        lambda lens, s_q, heads, kv_cache_dtype=None: plans.append(
+                            (lens.tolist(), s_q, heads, kv_cache_dtype)) or "new plan")
+    hooks.install({"perturb": "partial_page_dropped"})
+    lens = torch.tensor([1, 63, 64, 65, 130], dtype=torch.int32)
+    ops.mla_decode(torch.zeros(5, 1, 16, 576), "cache", "table", lens, _Plan(), 0.1)
+    assert plans == [([0, 0, 64, 64, 128], 1, 16, None)]
+    args, _ = calls[0]
+    assert args[3].tolist() == [0, 0, 64, 64, 128] and args[4] == "new plan"
+    assert lens.tolist() == [1, 63, 64, 65, 130]
+    assert hooks.report()["perturbed_calls"] == 1
+
+
+def test_rope_dropped(hooks, monkeypatch):
+    calls = _record(monkeypatch, sparse, "sparse_mla_decode")
+    hooks.install({"perturb": "rope_dropped"})
+    q = torch.randn(4, 1, 16, 576)
+    ops.sparse_mla_decode(q, "cache", "indices", "plan", 0.1)
+    got = calls[0][0][0]
+    assert torch.equal(got[..., :512], q[..., :512])
+    assert not got[..., 512:].any() and q[..., 512:].any()
+    assert hooks.report()["perturbed_calls"] == 1
+
+
+def test_round_cache_to_fp8_ds_mla(hooks, monkeypatch):
+    """The peer's bf16 cache gets kv_c as an fp8_ds_mla cache holds it; k_pe unchanged."""
+    from vllm.v1.attention.backend import SparseMLAAttentionImpl
+
+    writes = []
+    monkeypatch.setattr(SparseMLAAttentionImpl, "do_kv_cache_update",
+                        lambda self, kv_c, k_pe, *rest: writes.append((kv_c, k_pe, rest)))
+    hooks.install({"round_cache_to": "fp8_ds_mla"})
+    kv_c = torch.randn(6, 512).to(torch.bfloat16) * 3
+    k_pe = torch.randn(6, 1, 64).to(torch.bfloat16)
+    SparseMLAAttentionImpl.do_kv_cache_update(None, kv_c, k_pe, "cache", "slots", "auto", 1.0)
+    got, pe, rest = writes[0]
+    expect = formats.dequantize_fp8_ds_mla(formats.quantize_fp8_ds_mla(kv_c, k_pe[:, 0]))
+    assert torch.equal(got, expect[:, :512].to(torch.bfloat16))
+    assert pe is k_pe and rest == ("cache", "slots", "auto", 1.0)
+    assert not torch.equal(got, kv_c)  # e4m3 keeps 3 mantissa bits: the values moved
+    assert (got.float() - kv_c.float()).abs().max() <= kv_c.float().abs().max() / 16
+    with pytest.raises(RuntimeError, match="bf16 cache"):
+        SparseMLAAttentionImpl.do_kv_cache_update(None, kv_c, k_pe, "c", "s", "fp8_ds_mla", 1.0)
+    assert hooks.report()["rounded_cache_writes"] == 1
+
+
+def test_engine_run_preloads_in_process(tmp_path, monkeypatch):
+    """engine_run imports each preload module and calls install(options) before the engine
+    exists, with vLLM's engine core in this process; tensor parallelism is refused."""
+    (tmp_path / "preload_probe.py").write_text(
+        "installed = []\n"
+        "def install(options):\n    installed.append(options)\n"
+        "def report():\n    return {'installed': installed}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # put back after the test
+    loaded = engine_run._preload({"preload": {"preload_probe": {"count": True}}})
+    assert loaded["preload_probe"].report() == {"installed": [{"count": True}]}
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    with pytest.raises(ValueError, match="one GPU"):
+        engine_run._preload({"preload": {"preload_probe": {}}, "tensor_parallel_size": 2})
+
+
+def test_engine_run_without_preload_changes_nothing(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert engine_run._preload({}) == {}
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"

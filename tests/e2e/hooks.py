@@ -1,0 +1,129 @@
+"""Test-only hooks for the e2e engines, imported into an engine's process by
+mla_backend.demo.engine_run before the engine is built (spec key
+`"preload": {"tests.e2e.hooks": OPTIONS}`; the engine then runs in that one process).
+
+The adapters call `ops.mla_decode` / `ops.sparse_mla_decode` as attributes of the
+`mla_backend.ops` package at call time, so replacing those attributes here reaches every
+call the engine makes. A Python wrapper runs on every call of an eager engine; under CUDA
+graphs only while a graph is captured (what it does then is what the graph replays).
+
+OPTIONS (all optional):
+  count: true          record per call the query tokens per request (q.shape[1]) of
+                       ops.mla_decode and the kv_scale it was given (calls made while a CUDA
+                       graph is captured counted apart), and the calls of ops.sparse_mla_decode.
+  perturb: NAME        a deliberately wrong kernel, for the negative controls (eager engines
+                       only):
+    "partial_page_dropped"  (dense) the keys of each request's partly filled last page are
+                            left out: seq_len rounded down to a multiple of 64, i.e. pages
+                            counted as seq_len // 64 instead of rounding up;
+    "rope_dropped"          (sparse) scores over the 512 latent dims only: q's 64 RoPE dims
+                            are zeroed, as a kernel that skipped the RoPE tile would compute.
+  round_cache_to: "fp8_ds_mla"
+                       (a peer's run on a bf16 cache) every KV-cache write of a sparse MLA
+                       backend stores kv_c rounded through vLLM's fp8_ds_mla format
+                       (quantized per 128-value tile and dequantized, mla_backend.formats):
+                       that backend then computes attention over the values an fp8_ds_mla
+                       kernel reads (rounded to bf16).
+report() returns what happened, for the engine's result ("preload").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from mla_backend import formats, ops
+from mla_backend.ops import dense, sparse
+
+PERTURBATIONS = ("partial_page_dropped", "rope_dropped")
+_seen: dict = {"options": {}, "calls_by_s_q": Counter(), "captured_by_s_q": Counter(),
+               "sparse_calls": 0, "perturbed_calls": 0, "rounded_cache_writes": 0}
+_kv_scales: dict[int, object] = {}  # id -> the tensor or float given as kv_scale
+
+
+def install(options: dict) -> None:
+    unknown = set(options) - {"count", "perturb", "round_cache_to"}
+    if unknown:
+        raise ValueError(f"unknown hook options {sorted(unknown)}")
+    perturb = options.get("perturb")
+    if perturb is not None and perturb not in PERTURBATIONS:
+        raise ValueError(f"perturb must be one of {PERTURBATIONS}; got {perturb!r}")
+    if options.get("round_cache_to") not in (None, "fp8_ds_mla"):
+        raise ValueError(f"round_cache_to must be fp8_ds_mla; got {options['round_cache_to']!r}")
+    _seen["options"] = dict(options)
+    if options.get("count") or perturb == "partial_page_dropped":
+        ops.mla_decode = _mla_decode
+    if options.get("count") or perturb == "rope_dropped":
+        ops.sparse_mla_decode = _sparse_mla_decode
+    if options.get("round_cache_to"):
+        from vllm.v1.attention.backend import SparseMLAAttentionImpl
+
+        original = SparseMLAAttentionImpl.do_kv_cache_update
+
+        def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                               k_scale):
+            if kv_cache_dtype.startswith("fp8"):
+                raise RuntimeError("round_cache_to is for a bf16 cache")
+            kv_c_normed = round_through_fp8_ds_mla(kv_c_normed, k_pe)
+            _seen["rounded_cache_writes"] += 1
+            return original(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                            k_scale)
+
+        SparseMLAAttentionImpl.do_kv_cache_update = do_kv_cache_update
+
+
+def round_through_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """kv_c [T, 512] bf16 as an fp8_ds_mla cache holds it (dequantized, back in bf16); the
+    RoPE part of that format is the bf16 input unchanged."""
+    packed = formats.quantize_fp8_ds_mla(kv_c, k_pe.reshape(k_pe.shape[0], formats.ROPE_DIM))
+    latent = formats.dequantize_fp8_ds_mla(packed)[:, :formats.KV_LORA_RANK]
+    return latent.to(kv_c.dtype)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _mla_decode(q, kv_cache, block_table, seq_lens, plan, softmax_scale, causal=True,
+                kv_scale=None, out=None):
+    s_q = int(q.shape[1])
+    (_seen["captured_by_s_q"] if _capturing() else _seen["calls_by_s_q"])[s_q] += 1
+    if kv_scale is not None:
+        _kv_scales.setdefault(id(kv_scale), kv_scale)
+    if _seen["options"].get("perturb") == "partial_page_dropped":
+        if _capturing():
+            raise RuntimeError("the perturbed kernels run in eager engines only")
+        seq_lens = seq_lens - seq_lens % ops.PAGE_SIZE
+        plan = dense.plan_decode(seq_lens, plan.q_tokens_per_req, plan.num_heads,
+                                 kv_cache_dtype=torch.float8_e4m3fn if plan.kv_fp8 else None)
+        _seen["perturbed_calls"] += 1
+    return dense.mla_decode(q, kv_cache, block_table, seq_lens, plan, softmax_scale,
+                            causal=causal, kv_scale=kv_scale, out=out)
+
+
+def _sparse_mla_decode(q, kv_cache, indices, plan, softmax_scale, topk_length=None, out=None):
+    _seen["sparse_calls"] += 1
+    if _seen["options"].get("perturb") == "rope_dropped":
+        if _capturing():
+            raise RuntimeError("the perturbed kernels run in eager engines only")
+        q = q.clone()
+        q[..., formats.KV_LORA_RANK:] = 0
+        _seen["perturbed_calls"] += 1
+    return sparse.sparse_mla_decode(q, kv_cache, indices, plan, softmax_scale,
+                                    topk_length=topk_length, out=out)
+
+
+def report() -> dict:
+    """What the hooks saw: calls of ops.mla_decode by query tokens per request (eager calls,
+    and calls while a graph was captured), the distinct kv_scale values given to it, the
+    perturbed calls and the rounded cache writes."""
+    scales = sorted({float(s) for s in _kv_scales.values()})
+    return {"options": _seen["options"],
+            "mla_decode_calls_by_s_q": {str(k): v for k, v in sorted(_seen["calls_by_s_q"].items())},
+            "mla_decode_captured_by_s_q": {str(k): v
+                                           for k, v in sorted(_seen["captured_by_s_q"].items())},
+            "mla_decode_kv_scales": scales,
+            "sparse_mla_decode_calls": _seen["sparse_calls"],
+            "perturbed_calls": _seen["perturbed_calls"],
+            "rounded_cache_writes": _seen["rounded_cache_writes"]}
