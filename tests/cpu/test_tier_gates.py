@@ -1,13 +1,11 @@
 """The gpu and e2e tiers skip without a CUDA device and fail, once and naming the cause, on a
-CUDA machine that cannot run them (tests/tier_gate.py, tests/conftest.py); the e2e cache's
-build identity (tests/e2e_cache.py). The CUDA device, the extension and vLLM are faked."""
+CUDA machine that cannot run them (tests/tier_gate.py, tests/conftest.py). The CUDA device,
+the extension and vLLM are faked."""
 
-import hashlib
 import os
 import subprocess
 import sys
 import textwrap
-import types
 from importlib import metadata
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import torch
 
 from mla_backend import _extension
 from mla_backend._sources import sources_sha256
-from tests import e2e_cache, tier_gate
+from tests import tier_gate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -223,36 +221,3 @@ def test_pytest_run_fails_once_with_a_gpu_skips_without(tmp_path, cuda):
     else:
         assert res.returncode == 0, out
         assert "1 passed" in out and "skipped" in out and "gpu tier: no CUDA device" in out
-
-
-# ----------------------------------------------------------------------- e2e build identity
-
-
-def test_build_identity_hashes_the_extension_and_the_sources(monkeypatch, tmp_path):
-    so = tmp_path / "_C.abi3.so"
-    so.write_bytes(b"kernel one")
-    monkeypatch.setattr(_extension, "extension_path", lambda: str(so))
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.25.0"))
-    ident = e2e_cache.build_identity()
-    assert ident["extension_sha256"] == hashlib.sha256(b"kernel one").hexdigest()
-    assert ident["vllm_version"] == "0.25.0"
-    assert ident["torch_version"] == torch.__version__
-    assert len(ident["python_sources_sha256"]) == 64
-    so.write_bytes(b"kernel two")
-    assert e2e_cache.build_identity()["extension_sha256"] != ident["extension_sha256"]
-    monkeypatch.setattr(_extension, "extension_path", lambda: None)
-    monkeypatch.setitem(sys.modules, "vllm", None)
-    assert e2e_cache.build_identity()["extension_sha256"] is None
-    assert e2e_cache.build_identity()["vllm_version"] is None
-
-
-def test_python_sources_hash_follows_every_py_file(tmp_path):
-    pkg = tmp_path / "mla_backend"
-    _touch(pkg / "ops" / "__init__.py", 1, "A = 1\n")
-    _touch(pkg / "vllm" / "dense.py", 1, "B = 2\n")
-    _touch(pkg / "_build_info.py", 1, "CUDA_EXTENSION = 'built'\n")
-    first = e2e_cache.python_sources_sha256((pkg,))
-    (pkg / "_build_info.py").write_text("CUDA_EXTENSION = 'other'\n")  # generated: ignored
-    assert e2e_cache.python_sources_sha256((pkg,)) == first
-    (pkg / "vllm" / "dense.py").write_text("B = 3\n")  # the adapter matters too
-    assert e2e_cache.python_sources_sha256((pkg,)) != first
