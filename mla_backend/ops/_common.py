@@ -59,10 +59,22 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _out_and_lse(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, s_q, H, 512] in q's dtype (the caller's, already checked, or new) and a new
-    lse [B, s_q, H] float32, for q [B, s_q, H, 576]."""
+def _check_lse(lse: object, shape: tuple[int, ...]) -> torch.Tensor:
+    """A caller-owned lse: contiguous float32 of `shape` (its device is checked with q's)."""
+    lse = _require_tensor("lse", lse)
+    dims = ", ".join(str(n) for n in shape)
+    _require(tuple(lse.shape) == tuple(shape) and lse.dtype == torch.float32
+             and lse.is_contiguous(), "lse", lse, f"must be contiguous torch.float32 [{dims}]")
+    return lse
+
+
+def _out_and_lse(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, s_q, H, 512] in q's dtype and lse [B, s_q, H] float32, for q
+    [B, s_q, H, 576]: the caller's (already checked) or new."""
     batch, s_q, heads, _ = q.shape
     if out is None:
         out = torch.empty(batch, s_q, heads, D_V, dtype=q.dtype, device=q.device)
-    return out, torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
+    if lse is None:
+        lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
+    return out, lse

@@ -15,6 +15,7 @@ from ._common import (
     MAX_HEADS,
     PAGE_SIZE,
     _check_heads,
+    _check_lse,
     _check_softmax_scale,
     _describe,
     _num_sms,
@@ -227,7 +228,8 @@ def _check_kv_scale(kv_scale) -> None:
                          f"tensor; got {kv_scale!r}")
 
 
-def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out):
+def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out,
+                       lse=None):
     q = _require_tensor("q", q)
     kv_cache = _require_tensor("kv_cache", kv_cache)
     block_table = _require_tensor("block_table", block_table)
@@ -279,19 +281,24 @@ def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, 
         _require(out.shape == (batch, s_q, heads, D_V) and out.dtype == q.dtype
                  and out.is_contiguous(), "out", out,
                  f"must be contiguous {q.dtype} [{batch}, {s_q}, {heads}, {D_V}]")
+    if lse is not None:
+        lse = _check_lse(lse, (batch, s_q, heads))
     tensors = {"q": q, "kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens,
                "plan.metadata": plan.metadata}
     if isinstance(kv_scale, torch.Tensor):
         tensors["kv_scale"] = kv_scale
     if out is not None:
         tensors["out"] = out
+    if lse is not None:
+        tensors["lse"] = lse
     _require_cuda(tensors, q.device)
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, plan: DecodePlan, softmax_scale: float,
                causal: bool = True, kv_scale: torch.Tensor | float | None = None,
-               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               out: torch.Tensor | None = None,
+               lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense paged MLA decode.
 
     q [B, s_q, H, 576] bf16/fp16; kv_cache [num_blocks, 64, 576] of q's dtype, or
@@ -302,12 +309,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     seq_lens int32 [B] (keys per request, the s_q query tokens included; the caller keeps
     seq_lens[b] <= 64 * max_blocks). With causal, query i sees keys < seq_len - s_q + i + 1.
     Returns out [B, s_q, H, 512] (q's dtype) and lse [B, s_q, H] float32 (natural log);
-    rows with no key get out = 0, lse = -inf.
+    rows with no key get out = 0, lse = -inf. out / lse: caller-owned outputs to write
+    (contiguous, [B, s_q, H, 512] in q's dtype / [B, s_q, H] float32), else new ones.
     """
-    _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out)
+    _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out,
+                       lse)
     _extension.require("mla_decode")
     _require_hopper("mla_decode", q.device)
-    out, lse = _out_and_lse(q, out)
+    out, lse = _out_and_lse(q, out, lse)
     torch.ops.mla_backend.mla_decode(
         q, kv_cache, block_table, seq_lens, plan.metadata, plan.partial_out, plan.partial_lse,
         out, lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(causal),

@@ -16,6 +16,7 @@ from ._common import (
     MAX_HEADS,
     PAGE_SIZE,
     _check_heads,
+    _check_lse,
     _check_softmax_scale,
     _describe,
     _num_sms,
@@ -256,7 +257,7 @@ def _check_sparse_inputs(q, kv_cache, indices, *, allow_flat: bool,
              "last dim")
 
 
-def _check_sparse_args(q, kv_cache, indices, plan, softmax_scale, topk_length, out, *,
+def _check_sparse_args(q, kv_cache, indices, plan, softmax_scale, topk_length, out, lse=None, *,
                        allow_flat: bool, kv_name: str = "kv_cache"):
     _check_sparse_inputs(q, kv_cache, indices, allow_flat=allow_flat, kv_name=kv_name)
     batch, s_q, heads, _ = q.shape
@@ -282,13 +283,16 @@ def _check_sparse_args(q, kv_cache, indices, plan, softmax_scale, topk_length, o
                  and out.is_contiguous(), "out", out,
                  f"must be contiguous {q.dtype} [{batch}, {s_q}, {heads}, {D_V}]")
         tensors["out"] = out
+    if lse is not None:
+        tensors["lse"] = _check_lse(lse, (batch, s_q, heads))
     _require_cuda(tensors, q.device)
 
 
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
                       plan: SparsePlan, softmax_scale: float,
                       topk_length: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: torch.Tensor | None = None,
+                      lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse (DSA) decode over a paged cache.
 
     q [B, s_q, H, 576] bf16 (any H from 1 to 128); kv_cache [num_blocks, 64, 576] bf16 or
@@ -298,19 +302,20 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     the first topk_length[b] entries of entry b are read) — the tensor given to
     plan_sparse_decode. No causal mask: the indices say what each query sees.
     Returns out [B, s_q, H, 512] bf16 and lse [B, s_q, H] float32 (natural log); a query
-    with no valid index gets out = 0, lse = -inf.
+    with no valid index gets out = 0, lse = -inf. out / lse: caller-owned outputs to write
+    (contiguous, [B, s_q, H, 512] bf16 / [B, s_q, H] float32), else new ones.
     """
     if topk_length is None and isinstance(plan, SparsePlan):
         topk_length = plan.topk_length
-    _check_sparse_args(q, kv_cache, indices, plan, softmax_scale, topk_length, out,
+    _check_sparse_args(q, kv_cache, indices, plan, softmax_scale, topk_length, out, lse,
                        allow_flat=False)
-    return _run_sparse(q, kv_cache, indices, plan, softmax_scale, topk_length, out)
+    return _run_sparse(q, kv_cache, indices, plan, softmax_scale, topk_length, out, lse)
 
 
-def _run_sparse(q, kv, indices, plan, softmax_scale, topk_length, out):
+def _run_sparse(q, kv, indices, plan, softmax_scale, topk_length, out, lse=None):
     _extension.require("sparse_mla_decode")
     _require_hopper("sparse_mla_decode", q.device)
-    out, lse = _out_and_lse(q, out)
+    out, lse = _out_and_lse(q, out, lse)
     torch.ops.mla_backend.sparse_mla_decode(
         q, kv, indices, topk_length, plan.metadata, plan.partial_out, plan.partial_lse, out,
         lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(plan.needs_combine),
@@ -320,13 +325,14 @@ def _run_sparse(q, kv, indices, plan, softmax_scale, topk_length, out):
 
 def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                        softmax_scale: float, topk_length: torch.Tensor | None = None, *,
-                       plan: SparsePlan | None = None,
-                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       plan: SparsePlan | None = None, out: torch.Tensor | None = None,
+                       lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse prefill: q [T, H, 576] bf16; kv [S, 576] bf16 (rows = slots) or a paged cache
     as in sparse_mla_decode (bf16 or fp8_ds_mla; [S, 656] uint8 flat too); indices int32
     [T, topk] (-1 or out of range = skipped); topk_length int32 [T] (optional). Every token
     is its own request: `plan` (plan_sparse_decode(T, 1, H, topk, topk_length=...)) is made
-    here when not given. Returns out [T, H, 512] bf16 and lse [T, H] float32."""
+    here when not given. Returns out [T, H, 512] bf16 and lse [T, H] float32 (the caller's
+    out / lse when given: contiguous, those shapes and dtypes)."""
     q = _require_tensor("q", q)
     indices = _require_tensor("indices", indices)
     _require(q.dim() == 3 and q.shape[2] == D_QK, "q", q, f"must be [tokens, heads, {D_QK}]")
@@ -336,6 +342,8 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         out = _require_tensor("out", out)
         _require(out.dim() == 3, "out", out, f"must be [tokens, heads, {D_V}]")
         out = out.unsqueeze(1)
+    if lse is not None:
+        lse = _check_lse(lse, (q.shape[0], q.shape[1])).unsqueeze(1)
     q4, idx3 = q.unsqueeze(1), indices.unsqueeze(1)
     if plan is None:
         _check_sparse_inputs(q4, kv, idx3, allow_flat=True, kv_name="kv")
@@ -345,7 +353,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                                   kv_cache_dtype=kv.dtype)
     elif topk_length is None:
         topk_length = plan.topk_length
-    _check_sparse_args(q4, kv, idx3, plan, softmax_scale, topk_length, out, allow_flat=True,
-                       kv_name="kv")
-    o, lse = _run_sparse(q4, kv, idx3, plan, softmax_scale, topk_length, out)
+    _check_sparse_args(q4, kv, idx3, plan, softmax_scale, topk_length, out, lse,
+                       allow_flat=True, kv_name="kv")
+    o, lse = _run_sparse(q4, kv, idx3, plan, softmax_scale, topk_length, out, lse)
     return o.squeeze(1), lse.squeeze(1)

@@ -261,3 +261,52 @@ def test_grids_fill_one_wave(sms):
     for rows, (rows_per_cta, _, ctas), ctas_per_sm in grids:
         tiles = -(-rows // rows_per_cta)
         assert tiles * ctas <= sms * ctas_per_sm < tiles * (ctas + 1), (rows, ctas)
+
+
+# ----------------------------------------------------------------------------- caller-owned lse
+
+LSE_CASES = [
+    (lambda: torch.empty(2, 1, 8), ValueError,
+     r"lse must be contiguous torch.float32 \[2, 1, 16\]; got shape \(2, 1, 8\) dtype torch.float32"),
+    (lambda: torch.empty(2, 1, 16, dtype=torch.bfloat16), ValueError,
+     r"lse must be contiguous torch.float32 \[2, 1, 16\]; got shape \(2, 1, 16\) dtype torch.bfloat16"),
+    (lambda: torch.empty(16, 2).t().unsqueeze(1), ValueError,
+     r"lse must be contiguous torch.float32 \[2, 1, 16\]; got shape \(2, 1, 16\)"),
+    (lambda: [0.0], TypeError, "lse must be a torch.Tensor; got list"),
+]
+
+
+@pytest.mark.parametrize("make,exc,msg", LSE_CASES, ids=range(len(LSE_CASES)))
+def test_mla_decode_rejects_lse(make, exc, msg):
+    with pytest.raises(exc, match=msg):
+        ops.mla_decode(**_args(), lse=make())
+
+
+@pytest.mark.parametrize("make,exc,msg", LSE_CASES, ids=range(len(LSE_CASES)))
+def test_sparse_mla_decode_rejects_lse(make, exc, msg):
+    with pytest.raises(exc, match=msg):
+        ops.sparse_mla_decode(**_sparse_args(), lse=make())
+
+
+def test_a_valid_lse_passes_to_the_device_check():
+    # a well-formed lse is accepted; the call then stops at the CPU tensors, as without lse
+    lse = torch.empty(2, 1, 16)
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        ops.mla_decode(**_args(), lse=lse)
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        ops.sparse_mla_decode(**_sparse_args(), lse=lse)
+
+
+def test_sparse_prefill_rejects_lse():
+    q, kv = torch.randn(3, 16, 576).bfloat16(), torch.randn(100, 576).bfloat16()
+    idx = torch.zeros(3, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"lse must be contiguous torch.float32 \[3, 16\]; got "
+                                         r"shape \(3, 1, 16\)"):
+        ops.sparse_mla_prefill(q, kv, idx, 0.1, lse=torch.empty(3, 1, 16))
+    with pytest.raises(ValueError, match=r"lse must be contiguous torch.float32 \[3, 16\]; got "
+                                         r"shape \(3, 16\) dtype torch.float16"):
+        ops.sparse_mla_prefill(q, kv, idx, 0.1, lse=torch.empty(3, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"lse must be contiguous torch.float32 \[3, 16\]"):
+        ops.sparse_mla_prefill(q, kv, idx, 0.1, lse=torch.empty(16, 3).t())
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        ops.sparse_mla_prefill(q, kv, idx, 0.1, lse=torch.empty(3, 16))
