@@ -1,32 +1,32 @@
-// The mma.sync m16n8k16 kernel of dense paged decode (csrc/dense_decode.cu). Tiles of 16
-// rows (rows = s_q * H <= 16: TP8/TP16 head counts pay for no padded MMA rows); larger H goes
-// to the wgmma kernel (csrc/decode_wgmma.cu). The template also builds 32- and 64-row tiles
-// (unused now). Sparse attention ran here up to v3 and now runs on the wgmma kernel at every H
-// (docs/kernels/sparse_decode.md). Schedule and numbers: docs/kernels/dense_decode.md.
+// Dense paged decode for up to 16 query rows (rows = s_q * H <= 16: TP8 / TP16 head counts),
+// with mma.sync m16n8k16 on 16-row tiles, so few heads pay for no padded MMA rows; more rows
+// go to the wgmma kernel (wgmma/). Over a 16-bit or a per-tensor fp8 cache.
 //
-// Work unit: 32 consecutive key positions of one request (half a 64-token page). The
-// planner writes unit prefix sums P[0..B] and U (units per CTA); CTA c walks units
-// [cU, cU+U), crossing request boundaries.
-// A request wholly inside one CTA is written straight to out/lse; a request spanning CTAs
-// leaves normalised partials (slot 0 if it is the CTA's first request, else slot 1) that
-// the combine kernel merges by lse.
+// Work unit: 32 consecutive key positions of one request (half a 64-token page); the plan and
+// the partials are the split-KV ones (splitkv/params.h).
 #pragma once
 
-#include "dense_decode_common.cuh"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
-namespace mla_backend {
-namespace dense {
+#include "common/convert.cuh"
+#include "common/launch.h"
+#include "common/mla_shapes.h"
+#include "common/ptx.cuh"
+#include "dense_decode/launch.h"
+#include "splitkv/combine.h"
+#include "splitkv/schedule.cuh"
 
-// How the cache stores a token.
-enum class KvFormat {
-  k16,        // 576 values of q's dtype
-  kFp8,       // 576 float8 e4m3, one per-tensor scale (vLLM "fp8")
-};
+namespace mla_backend::dense_decode {
+namespace mma {
 
-constexpr int kUnit = kUnitMma;  // tokens per work unit of this kernel
-constexpr int kSmemRow = kDqk + 8;  // padded row: 1168 B = 73 16-B chunks (odd: no bank conflicts)
-constexpr int kWarpsN = 4;          // warps splitting keys (S) and output columns (PV)
-constexpr int kPRow = kUnit + 8;  // padded P row: 80 B = 5 chunks
+using namespace splitkv;
+
+constexpr int kRows = 16;            // query rows per CTA
+constexpr int kUnit = kUnitMma;      // tokens per work unit of this kernel
+constexpr int kSmemRow = kDqk + 8;   // padded row: 1168 B = 73 16-B chunks (odd: no bank conflicts)
+constexpr int kWarpsN = 4;           // warps splitting keys (S) and output columns (PV)
+constexpr int kPRow = kUnit + 8;     // padded P row: 80 B = 5 chunks
 
 // fp8: cp.async stages the raw bytes; at consume time every thread converts the unit into
 // one bf16/fp16 tile, which S and PV read exactly as in the 16-bit case. Every e4m3 value is
@@ -43,14 +43,14 @@ __device__ __forceinline__ void store_e4m3x16(T* dst, uint4 raw, float scale) {
   out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-template <typename T, int kRows, KvFormat kFmt = KvFormat::k16>
-struct DecodeConfig {
+template <typename T, KvFormat kFmt>
+struct MmaDecodeConfig {
   static constexpr bool kConvert = kFmt != KvFormat::k16;
   static constexpr int kWarpsM = kRows / 16;
   static constexpr int kWarps = kWarpsM * kWarpsN;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = 2;  // 16 rows: <= 100 KiB of shared memory, two CTAs per SM
-  static constexpr int kMinCtasPerSm = kRows == 16 ? 2 : 1;
+  static constexpr int kStages = 2;  // <= 100 KiB of shared memory: two CTAs per SM
+  static constexpr int kMinCtasPerSm = 2;
   // bytes of one cached token as staged, and the 16-byte chunks that load it
   static constexpr int kTokBytes = kFmt == KvFormat::k16 ? kSmemRow * int(sizeof(T)) : kDqk;
   static constexpr int kRowChunks = kFmt == KvFormat::k16 ? kDqk * int(sizeof(T)) / 16 : kDqk / 16;
@@ -66,13 +66,13 @@ struct DecodeConfig {
   static constexpr size_t kSmem = kSmemQ + kSmemKV + kSmemP + kSmemRed;
   static_assert(kKeysPerWarp == 8, "S tile per warp is one 8-key n-tile");
   static_assert(kSmem <= 227 * 1024, "shared memory per CTA");
-  static_assert(kMinCtasPerSm == 1 || 2 * (kSmem + 1024) <= 228 * 1024, "two CTAs per SM");
+  static_assert(2 * (kSmem + 1024) <= 228 * 1024, "two CTAs per SM");
 };
 
-template <typename T, int kRows, KvFormat kFmt>
-__global__ void __launch_bounds__(DecodeConfig<T, kRows, kFmt>::kThreads, DecodeConfig<T, kRows, kFmt>::kMinCtasPerSm)
+template <typename T, KvFormat kFmt>
+__global__ void __launch_bounds__(MmaDecodeConfig<T, kFmt>::kThreads, MmaDecodeConfig<T, kFmt>::kMinCtasPerSm)
 mma_decode_kernel(const __grid_constant__ DecodeParams p) {
-  using Cfg = DecodeConfig<T, kRows, kFmt>;
+  using Cfg = MmaDecodeConfig<T, kFmt>;
   constexpr bool kFp8 = kFmt == KvFormat::kFp8;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -189,7 +189,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
         for (int n = 0; n < Cfg::kNTiles; ++n) {
           const int col = wn * Cfg::kColsPerWarp + n * 8 + qd * 2;
           *reinterpret_cast<uint32_t*>(out + col) =
-              Mma<T>::pack(o[n][hr * 2] * inv_l, o[n][hr * 2 + 1] * inv_l);
+              pack2<T>(o[n][hr * 2] * inv_l, o[n][hr * 2 + 1] * inv_l);
         }
         if (wn == 0 && qd == 0) p.lse[int64_t(r) * p.rows + row] = lse_row;
       } else {
@@ -244,8 +244,8 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       ldmatrix_x4(b, sK + (wn * 8 + (lane & 7)) * kSmemRow + kk * 16 + (lane >> 3) * 8);
       ldmatrix_x4(a0, sQ + (wm * 16 + (lane & 15)) * kSmemRow + kk * 16 + (lane >> 4) * 8);
       ldmatrix_x4(a1, sQ + (wm * 16 + (lane & 15)) * kSmemRow + (kk + 1) * 16 + (lane >> 4) * 8);
-      Mma<T>::run(s, a0, b[0], b[1]);
-      Mma<T>::run(s_odd, a1, b[2], b[3]);
+      mma_m16n8k16<T>(s, a0, b[0], b[1]);
+      mma_m16n8k16<T>(s_odd, a1, b[2], b[3]);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[e] += s_odd[e];
@@ -281,7 +281,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       m_run[hr] = mx;
       const float p0 = exp2f(s[hr * 2] - m_use), p1 = exp2f(s[hr * 2 + 1] - m_use);
       l_run[hr] = l_run[hr] * alpha[hr] + p0 + p1;
-      *reinterpret_cast<uint32_t*>(sP + lr * kPRow + wn * 8 + qd * 2) = Mma<T>::pack(p0, p1);
+      *reinterpret_cast<uint32_t*>(sP + lr * kPRow + wn * 8 + qd * 2) = pack2<T>(p0, p1);
     }
 #pragma unroll
     for (int n = 0; n < Cfg::kNTiles; ++n) {
@@ -300,8 +300,8 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
         const int krow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
         const int col = wn * Cfg::kColsPerWarp + n * 8 + (lane >> 4) * 8;
         ldmatrix_x4_trans(b, sK + krow * kSmemRow + col);
-        Mma<T>::run(o[n], a, b[0], b[1]);
-        Mma<T>::run(o[n + 1], a, b[2], b[3]);
+        mma_m16n8k16<T>(o[n], a, b[0], b[1]);
+        mma_m16n8k16<T>(o[n + 1], a, b[2], b[3]);
       }
     }
     stage = (stage + 1) % kStages;
@@ -310,15 +310,17 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
   epilogue(r_cur);
 }
 
-template <typename T, int kRows, KvFormat kFmt>
+}  // namespace mma
+
+template <typename T, KvFormat kFmt>
 void launch_mma_decode(const DecodeParams& p, cudaStream_t stream) {
-  using Cfg = DecodeConfig<T, kRows, kFmt>;
-  auto kernel = mma_decode_kernel<T, kRows, kFmt>;
+  using namespace mma;
+  using Cfg = MmaDecodeConfig<T, kFmt>;
+  auto kernel = mma_decode_kernel<T, kFmt>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
   launch_pdl(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmem, stream, p);
   launch_combine<T>(p, stream);
 }
 
-}  // namespace dense
-}  // namespace mla_backend
+}  // namespace mla_backend::dense_decode

@@ -1,16 +1,73 @@
-// Sparse (DSA, DeepSeek-V3.2) MLA attention: every query token attends to the cache slots
-// its index list names. One kernel serves decode ([B, s_q, H] queries, indices [B, s_q,
-// topk]) and prefill ([T, H] queries = T groups of one token): each (batch entry, query
-// token) is one request of the split-KV plan, its keys the entries of its index list, its
-// rows the H heads, on one or two 64-row tiles of the wgmma kernel (csrc/decode_wgmma.cu), or,
-// for H <= 16 over a bf16 cache, on the kernel with keys as the MMA's M dimension (same file).
-// Notes: docs/kernels/sparse_decode.md.
-#include "dense_decode_common.cuh"
+// Sparse (DSA, DeepSeek-V3.2) MLA attention: the host entry points plan_sparse_decode and
+// sparse_mla_decode (ops.h) and the dispatch to the kernels. Every query token attends to the
+// cache slots its index list names. One op serves decode ([B, s_q, H] queries, indices [B,
+// s_q, topk]) and prefill (mla_backend.ops passes [T, H] queries as T groups of one token):
+// each (batch entry, query token) is one request of the split-KV plan, its keys the entries
+// of its index list, its rows the H heads, on one or two 64-row tiles of the wgmma kernel
+// (wgmma/), or, for H <= 16 over a bf16 cache, on the narrow kernel (narrow_kernel.cuh).
+#include <cuda_bf16.h>
+
+#include "common/launch.h"
+#include "common/mla_shapes.h"
 #include "ops.h"
+#include "sparse/launch.h"
+#include "splitkv/planner.h"
+#include "wgmma/launch.h"
 
 namespace mla_backend {
+namespace sparse {
+namespace {
 
-using namespace dense;
+// 65536 rows of 1152 bytes are 75 MB, 1.5x the H100's 50 MB L2
+constexpr int kPrefetchMinSlots = 1 << 16;
+
+// The kernel for H = p.rows heads over a bf16 (fp8_ds_mla false) or fp8_ds_mla cache
+void launch_sparse(const DecodeParams& p, bool fp8_ds_mla, bool combine, cudaStream_t stream) {
+  using wgmma::KeySource;
+  using wgmma::kRows;
+  using wgmma::launch_decode_wgmma;
+  // fp8_ds_mla with two row tiles (H > 64): the tiles share each unit's conversion (kPaired)
+  if (fp8_ds_mla && p.rows > kRows)
+    launch_decode_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, true, false>(p, stream, combine);
+  else if (fp8_ds_mla) launch_decode_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, false, false>(p, stream, combine);
+  else if (p.rows <= 16) launch_sparse_narrow<16>(p, stream, combine);
+  // bf16, one row tile (H <= 64), a cache too large for L2: the producer prefetches each
+  // fill's rows to L2 before its release wait. Where the rows sit in L2 there is nothing to
+  // gain, and with two co-placed tiles gathering the same rows it costs 2-6%; an
+  // instantiation of its own keeps the other schedules' code as it is.
+  else if (p.rows <= kRows && p.num_slots >= kPrefetchMinSlots)
+    launch_decode_wgmma<__nv_bfloat16, KeySource::kSparse16, false, true>(p, stream, combine);
+  else launch_decode_wgmma<__nv_bfloat16, KeySource::kSparse16, false, false>(p, stream, combine);
+}
+
+}  // namespace
+}  // namespace sparse
+
+using splitkv::DecodeParams;
+using splitkv::kUnitWgmma;
+
+void plan_sparse_decode(const std::optional<at::Tensor>& topk_length, at::Tensor& metadata,
+                        int64_t q_tokens_per_req, int64_t topk, int64_t num_ctas, int64_t min_units,
+                        int64_t unit_tokens) {
+  TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == at::kInt && metadata.is_contiguous() &&
+                  metadata.numel() >= 2,
+              "plan_sparse_decode: metadata must be contiguous int32 [groups + 2] on CUDA");
+  const int64_t groups = metadata.numel() - 2;
+  TORCH_CHECK(q_tokens_per_req >= 1 && groups % q_tokens_per_req == 0 && topk >= 1 && num_ctas >= 1 &&
+                  min_units >= 1,
+              "plan_sparse_decode: bad sizes");
+  TORCH_CHECK(unit_tokens == kUnitWgmma, "plan_sparse_decode: unit_tokens must be ", kUnitWgmma, ", got ",
+              unit_tokens);
+  if (topk_length.has_value()) {
+    TORCH_CHECK(topk_length->is_cuda() && topk_length->scalar_type() == at::kInt && topk_length->is_contiguous() &&
+                    topk_length->numel() * q_tokens_per_req == groups,
+                "plan_sparse_decode: topk_length must be contiguous int32 [batch] on CUDA");
+  }
+  const c10::cuda::CUDAGuard guard(metadata.device());
+  splitkv::launch_planner(topk_length.has_value() ? topk_length->data_ptr<int>() : nullptr, int(groups),
+                          int(q_tokens_per_req), int(topk), metadata.data_ptr<int>(), int(num_ctas), int(min_units),
+                          int(unit_tokens), at::cuda::getCurrentCUDAStream());
+}
 
 void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
                        const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
@@ -48,7 +105,7 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   if (groups == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   DecodeParams p =
-      decode_params(q, kv_cache, metadata, partial_out, partial_lse, out, lse, num_ctas, softmax_scale);
+      splitkv::decode_params(q, kv_cache, metadata, partial_out, partial_lse, out, lse, num_ctas, softmax_scale);
   if (kv_cache.dim() == 3) {  // paged: slot = block * 64 + offset
     p.kv_stride_block = kv_cache.stride(0); p.kv_stride_tok = kv_cache.stride(1);
     p.num_slots = kv_cache.size(0) * kPage;
@@ -72,7 +129,7 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   TORCH_CHECK(rows_per_cta == 64, "sparse_mla_decode: rows_per_cta must be 64, got ", rows_per_cta);
   // combine == false: the plan proved that no group spans CTAs and none is empty (uniform
   // topk, CTA ranges of whole groups), so every output is written by the attention kernel
-  launch_sparse_wgmma(p, ds, combine, stream);
+  sparse::launch_sparse(p, ds, combine, stream);
 }
 
 }  // namespace mla_backend
