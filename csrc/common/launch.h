@@ -1,9 +1,7 @@
 // Host helpers: CUDA error checks and kernel launches with programmatic dependent launch.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
 #include <utility>
@@ -18,8 +16,9 @@
 namespace mla_backend {
 
 // Programmatic dependent launch (sm_90): a kernel launched this way may start while the
-// previous kernel in the stream finishes; it must call pdl_wait() (common/ptx.cuh) before
-// touching anything that kernel wrote. cluster_y > 1: clusters of cluster_y CTAs along y.
+// previous kernel in the stream finishes; it must call cudaGridDependencySynchronize() before
+// touching anything that kernel wrote, and may call cudaTriggerProgrammaticLaunchCompletion()
+// to let the next kernel start early. cluster_y > 1: clusters of cluster_y CTAs along y.
 template <typename... KArgs, typename... Args>
 inline void launch_pdl_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                                  int cluster_y, Args&&... args) {

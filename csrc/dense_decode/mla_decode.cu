@@ -2,15 +2,17 @@
 // dispatch to the kernels: the mma.sync kernel for 16-row tiles (mma_kernel.cuh; rows = s_q *
 // H <= 16) and the wgmma kernel for 64-row tiles (wgmma/), each over a 16-bit or a
 // per-tensor fp8 cache.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <climits>
 
-#include "common/launch.h"
 #include "common/mla_shapes.h"
 #include "dense_decode/launch.h"
 #include "ops.h"
+#include "splitkv/host_params.h"
 #include "splitkv/planner.h"
 #include "wgmma/launch.h"
 

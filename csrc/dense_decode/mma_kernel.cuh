@@ -9,6 +9,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <cute/arch/util.hpp>
+
+#include <type_traits>
+
 #include "common/convert.cuh"
 #include "common/launch.h"
 #include "common/mla_shapes.h"
@@ -21,6 +28,22 @@ namespace mla_backend::dense_decode {
 namespace mma {
 
 using namespace splitkv;
+
+// ldmatrix .x4 (.trans) of four 8x8 b16 matrices, lane l giving the address of row l % 8 of
+// matrix l / 8, and mma.sync m16n8k16 with fp32 accumulators in place (CuTe's atoms)
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  cute::SM75_U32x4_LDSM_N::copy(*static_cast<const cute::uint128_t*>(p), r[0], r[1], r[2], r[3]);
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
+  cute::SM75_U16x8_LDSM_T::copy(*static_cast<const cute::uint128_t*>(p), r[0], r[1], r[2], r[3]);
+}
+template <typename T>
+using MmaAtom = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
+                                   cute::SM80_16x8x16_F32F16F16F32_TN>;
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  MmaAtom<T>::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1, c[0], c[1], c[2], c[3]);
+}
 
 constexpr int kRows = 16;            // query rows per CTA
 constexpr int kUnit = kUnitMma;      // tokens per work unit of this kernel
@@ -83,8 +106,8 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
   float* sRedMax = reinterpret_cast<float*>(smem + Cfg::kSmemQ + Cfg::kSmemKV + Cfg::kSmemP);
   float* sRedSum = sRedMax + kWarpsN * kRows;
 
-  pdl_launch_dependents();
-  pdl_wait();  // the plan, q and the cache are written by earlier kernels
+  cudaTriggerProgrammaticLaunchCompletion();
+  cudaGridDependencySynchronize();  // the plan, q and the cache are written by earlier kernels
   const int* P = p.meta;
   const int cta = blockIdx.x;
   const int row0 = blockIdx.y * kRows;
@@ -119,7 +142,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       const int t = i / kRowChunks, ch = i % kRowChunks;
       const bool ok = blk_ok && t < n_valid;  // zero-filled otherwise (never read)
       const unsigned char* src = ok ? base + int64_t(t) * p.kv_stride_tok * kElemBytes + ch * 16 : kv;
-      cp_async_16(dst + dst_off(t, ch), src, ok ? 16 : 0);
+      cp_async_16(cute::cast_smem_ptr_to_uint(dst + dst_off(t, ch)), src, ok ? 16 : 0);
     }
   };
 
@@ -144,7 +167,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (u_begin + s < u_end) load_unit(u_begin + s, s);
-    cp_async_commit();
+    cute::cp_async_fence();
   }
 
   int r_cur = request_of_unit(P, p.batch, u_begin);
@@ -218,7 +241,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
     {
       const int un = u + kStages - 1;
       if (un < u_end) load_unit(un, (stage + kStages - 1) % kStages);
-      cp_async_commit();
+      cute::cp_async_fence();
     }
     const T* sK = reinterpret_cast<const T*>(sStages + stage * Cfg::kSmemStage);
     if constexpr (kFmt == KvFormat::kFp8) {
@@ -241,11 +264,11 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
     for (int kk = 0; kk < kDqk / 16; kk += 2) {
       uint32_t b[4], a0[4], a1[4];
-      ldmatrix_x4(b, sK + (wn * 8 + (lane & 7)) * kSmemRow + kk * 16 + (lane >> 3) * 8);
-      ldmatrix_x4(a0, sQ + (wm * 16 + (lane & 15)) * kSmemRow + kk * 16 + (lane >> 4) * 8);
-      ldmatrix_x4(a1, sQ + (wm * 16 + (lane & 15)) * kSmemRow + (kk + 1) * 16 + (lane >> 4) * 8);
-      mma_m16n8k16<T>(s, a0, b[0], b[1]);
-      mma_m16n8k16<T>(s_odd, a1, b[2], b[3]);
+      ldsm_x4(b, sK + (wn * 8 + (lane & 7)) * kSmemRow + kk * 16 + (lane >> 3) * 8);
+      ldsm_x4(a0, sQ + (wm * 16 + (lane & 15)) * kSmemRow + kk * 16 + (lane >> 4) * 8);
+      ldsm_x4(a1, sQ + (wm * 16 + (lane & 15)) * kSmemRow + (kk + 1) * 16 + (lane >> 4) * 8);
+      mma_16816<T>(s, a0, b[0], b[1]);
+      mma_16816<T>(s_odd, a1, b[2], b[3]);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[e] += s_odd[e];
@@ -293,15 +316,15 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
     for (int ks = 0; ks < kUnit / 16; ++ks) {
       uint32_t a[4];
-      ldmatrix_x4(a, sP + (wm * 16 + (lane & 15)) * kPRow + ks * 16 + (lane >> 4) * 8);
+      ldsm_x4(a, sP + (wm * 16 + (lane & 15)) * kPRow + ks * 16 + (lane >> 4) * 8);
 #pragma unroll
       for (int n = 0; n < Cfg::kNTiles; n += 2) {
         uint32_t b[4];
         const int krow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
         const int col = wn * Cfg::kColsPerWarp + n * 8 + (lane >> 4) * 8;
-        ldmatrix_x4_trans(b, sK + krow * kSmemRow + col);
-        mma_m16n8k16<T>(o[n], a, b[0], b[1]);
-        mma_m16n8k16<T>(o[n + 1], a, b[2], b[3]);
+        ldsm_x4_trans(b, sK + krow * kSmemRow + col);
+        mma_16816<T>(o[n], a, b[0], b[1]);
+        mma_16816<T>(o[n + 1], a, b[2], b[3]);
       }
     }
     stage = (stage + 1) % kStages;

@@ -18,6 +18,9 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
 #include "common/launch.h"
 #include "common/mla_shapes.h"
 #include "common/ptx.cuh"
@@ -92,20 +95,20 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
   const int wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5;
   const int qd = lane & 3;
   if (tid == 0) {
-    for (int i = 0; i < kRings; ++i) mbar_init(bars + i * 8, 132);  // see kLandArrivesOf
-    for (int i = kRings; i < 2 * kRings; ++i) mbar_init(bars + i * 8, 4);
-    mbar_init(bars + kQBar * 8, 1);
-    fence_mbarrier_init();
+    for (int i = 0; i < kRings; ++i) ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), 132);  // see kLandArrivesOf
+    for (int i = kRings; i < 2 * kRings; ++i) ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), 4);
+    ClusterBarrier::init(smem_ptr<uint64_t>(bars + kQBar * 8), 1);
+    cutlass::arch::fence_barrier_init();
   }
-  pdl_launch_dependents();
-  pdl_wait();  // the plan, q, the indices and the cache are written by earlier kernels
+  cudaTriggerProgrammaticLaunchCompletion();
+  cudaGridDependencySynchronize();  // the plan, q, the indices and the cache are written by earlier kernels
   const int cta = blockIdx.x;
   int u_begin, u_end, U;
   if (!splitkv::cta_units<true>(p, u_begin, u_end, U)) return;
   __syncthreads();  // barriers initialised
 
   if (wg == 2) {  // ---- producer warpgroup: the CTA's units in order, left half first
-    set_max_regs_dec<kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     KeyProducer<T, KeySource::kSparse16> prod{p,    static_cast<const unsigned char*>(p.kv), 0u, bars,
                                               bars + kRings * 8, sMask, wtid >> 1, wtid & 1, warp, lane};
     typename KeyProducer<T, KeySource::kSparse16>::Fill pending;  // the bf16 fills announce themselves
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
   }
 
   // ---- consumers: warpgroup wg takes units i = wg (mod 2) of each piece
-  set_max_regs_inc<kConsumerRegs>();
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
   const float scale_log2 = p.scale_log2;
   const uint32_t q_bar = bars + kQBar * 8;
   uint32_t q_phase = 0;
@@ -148,10 +151,10 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
   // ring slot `bit`'s use number `use` has landed
   auto wait_full = [&](int bit, int use) {
     mbar_wait(bars + bit * 8, use & 1);
-    fence_proxy_async();  // cp.async wrote it through the generic proxy
+    cutlass::arch::fence_view_async_shared();  // cp.async wrote it through the generic proxy
   };
   auto release = [&](int bit) {
-    if (lane == 0) mbar_arrive(bars + (kRings + bit) * 8);
+    if (lane == 0) ClusterBarrier::arrive(smem_ptr<uint64_t>(bars + (kRings + bit) * 8));
   };
   auto wg0_sync = [&] { named_sync(kBarWg0, 128); };
   // S^T over chunks [c0, c1) of the unit whose chunk 0 descriptor is dK, one commit group
@@ -183,7 +186,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
 
   splitkv::for_each_piece<true>(p, u_begin, u_end, [&](int r, int Pr, int pg_begin, int pg_end) {
     if (tid == 0) {  // the previous piece's last reads of sQ are behind a barrier tid 0 passed
-      mbar_expect_tx(q_bar, (kDqk / 64) * L::kQChunk);
+      ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(q_bar), (kDqk / 64) * L::kQChunk);
 #pragma unroll
       for (int c = 0; c < kDqk / 64; ++c)
         tma_load_4d(sQ + c * L::kQChunk, &q_map, c * 64, 0, r % p.group_s_q, r / p.group_s_q, q_bar);
@@ -256,7 +259,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
         }
         l_run[hd] = l_run[hd] * sc[hd] + psum;
       }
-      fence_proxy_async();
+      cutlass::arch::fence_view_async_shared();
       if (__any_sync(0xffffffff, rescale)) {
 #pragma unroll
         for (int t = 0; t < 8; ++t)
@@ -332,7 +335,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
     if (wg == 1) {
 #pragma unroll
       for (int i = kHalf; i < 2 * kHalf; ++i) sXfer[(i - kHalf) * 128 + wtid] = o[i];
-      fence_proxy_async();  // sQ: generic writes here, the next piece's Q by TMA
+      cutlass::arch::fence_view_async_shared();  // sQ: generic writes here, the next piece's Q by TMA
     }
     named_sync(kBarConsumers, kConsumerThreads);  // the second half is in sQ; warpgroup 1 goes on
     if (wg == 0) {
@@ -374,7 +377,7 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
           *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + h) * kDv + unit * 8) = val;
         }
       }
-      fence_proxy_async();  // sQ: generic accesses here, the next piece's Q by TMA (tid 0)
+      cutlass::arch::fence_view_async_shared();  // sQ: generic accesses here, the next piece's Q by TMA (tid 0)
       wg0_sync();
     }
   });

@@ -5,11 +5,13 @@
 // each (batch entry, query token) is one request of the split-KV plan, its keys the entries
 // of its index list, its rows the H heads, on one or two 64-row tiles of the wgmma kernel
 // (wgmma/), or, for H <= 16 over a bf16 cache, on the narrow kernel (narrow_kernel.cuh).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 
-#include "common/launch.h"
 #include "common/mla_shapes.h"
 #include "ops.h"
+#include "splitkv/host_params.h"
 #include "sparse/launch.h"
 #include "splitkv/planner.h"
 #include "wgmma/launch.h"

@@ -2,6 +2,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cutlass/functional.h>
+
 #include "common/convert.cuh"
 #include "common/launch.h"
 #include "common/mla_shapes.h"
@@ -26,9 +28,10 @@ constexpr int kCombineThreads = 32 * kCombineWarps;
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_constant__ DecodeParams p,
                                                                   bool by_cta) {
+  const cutlass::maximum<float, true> fmax_nan;  // max.NaN: NaN when either input is (fmaxf: the other)
   __shared__ float4 s_acc[kCombineWarps - 1][4][32];
   __shared__ float s_red[kCombineWarps];
-  pdl_wait();  // the decode kernel's partials
+  cudaGridDependencySynchronize();  // the decode kernel's partials
   const int row = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   auto P_at = [&](int r) { return plan_start<true>(p, r); };

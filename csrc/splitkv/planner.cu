@@ -13,8 +13,8 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
                                                           int min_units, int unit) {
   using Scan = cub::BlockScan<int, 1024>;
   __shared__ typename Scan::TempStorage tmp;
-  pdl_launch_dependents();
-  pdl_wait();  // the lengths may come from the previous kernel
+  cudaTriggerProgrammaticLaunchCompletion();
+  cudaGridDependencySynchronize();  // the lengths may come from the previous kernel
   __shared__ int carry;
   if (threadIdx.x == 0) { carry = 0; meta[0] = 0; }
   __syncthreads();

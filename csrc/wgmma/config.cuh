@@ -2,6 +2,8 @@
 // memory budget, register budgets, barrier numbering.
 #pragma once
 
+#include <cutlass/arch/barrier.h>
+
 #include <cstddef>
 
 #include "common/mla_shapes.h"
@@ -10,6 +12,9 @@
 namespace mla_backend::wgmma {
 
 using splitkv::DecodeParams;
+// the mbarrier operations (static members on a barrier's address, see smem_ptr in common/ptx.cuh)
+using cutlass::arch::ClusterBarrier;
+using cutlass::arch::ClusterTransactionBarrier;
 
 // Where a unit's keys come from.
 enum class KeySource {

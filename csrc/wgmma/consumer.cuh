@@ -23,6 +23,11 @@
 
 #include <cuda.h>
 
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/copy_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+
 #include <utility>
 
 #include "common/convert.cuh"
@@ -134,7 +139,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   uint32_t q_phase = 0;
   // kQTma: Q of query group rq -> sQ (one thread; sQ is free)
   auto load_q = [&](int rq) {
-    mbar_expect_tx(q_bar, kTileBytes);
+    ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(q_bar), kTileBytes);
 #pragma unroll
     for (int c = 0; c < kDqk / 64; ++c)
       tma_load_4d(sQ + c * kChunkBytes, &q_map, c * 64, row0, rq % p.group_s_q, rq / p.group_s_q, q_bar);
@@ -146,7 +151,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     const int c0 = h == 0 ? 0 : 4, c1 = h == 0 ? 4 : 9;
     for (int c = c0; c < c1; ++c) {
       const uint32_t bar = bars + (9 * b + c) * 8;
-      mbar_expect_tx(bar, kChunkBytes);
+      ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(bar), kChunkBytes);
       tma_load_3d(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, 0, blk, bar);
     }
   };
@@ -155,7 +160,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   auto release = [&](int b, int h, bool has_next, int next_blk) {
     if constexpr (kProduced) {
       const uint32_t empty = bars + (kFills + fill_id(b, h)) * 8;
-      if (lane == 0) mbar_arrive(empty);
+      if (lane == 0) ClusterBarrier::arrive(smem_ptr<uint64_t>(empty));
       if (kPaired && lane == 0) mbar_arrive_remote(empty + peer_delta);  // the peer's producer writes here too
     } else {
       if (wg_leader && has_next) load_half(b, h, next_blk);
@@ -172,7 +177,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       // thread fenced it. kPaired: the peer's rows come by bulk copy (async proxy) and the
       // local ones are fenced by the producer, so this fence is redundant (it costs nothing
       // measurable, and the tested build has it)
-      if constexpr (kLandArrivesOf<kSrc> || kPaired) fence_proxy_async();
+      if constexpr (kLandArrivesOf<kSrc> || kPaired) cutlass::arch::fence_view_async_shared();
     } else {
       const int bit = 9 * b + c;
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
@@ -188,7 +193,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         const int t = n_valid + i / 64, c = i % 64;  // 8 chunks x 8 16-byte units per row
         *reinterpret_cast<uint4*>(smem + (sKbuf(b) - base) + sw128_offset(t, c * 8)) = make_uint4(0, 0, 0, 0);
       }
-      fence_proxy_async();
+      cutlass::arch::fence_view_async_shared();
       named_sync(kBarWg0 + wg, 128);
     }
   };
@@ -242,19 +247,21 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         src += int64_t(r / p.group_s_q) * p.q_stride_b + int64_t(r % p.group_s_q + qi) * p.q_stride_s +
                int64_t(h) * p.q_stride_h + c * 8;
       }
-      cp_async_16s(base + sw128_offset(m, c * 8), src, row < p.rows ? 16 : 0);
+      cp_async_16(base + sw128_offset(m, c * 8), src, row < p.rows ? 16 : 0);
     }
-    cp_async_commit();
+    cute::cp_async_fence();
     if (tid < kRows) sM[tid] = kNoMax;
     cp_async_wait<0>();
-    fence_proxy_async();
+    cutlass::arch::fence_view_async_shared();
     consumers_sync();
     }
     if constexpr (!kProduced) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {  // Q rope chunk -> registers (A fragments)
         const int row = (wtid >> 5) * 16 + (lane & 15);
-        ldmatrix_x4(q8[kk], smem + sw128_offset(row, 512 + kk * 16 + (lane >> 4) * 8));
+        cute::SM75_U32x4_LDSM_N::copy(
+            *reinterpret_cast<const cute::uint128_t*>(smem + sw128_offset(row, 512 + kk * 16 + (lane >> 4) * 8)),
+            q8[kk][0], q8[kk][1], q8[kk][2], q8[kk][3]);
       }
       __syncthreads();  // chunk 8 of sQ is now free for P1
     }
@@ -513,7 +520,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
             const int n = 4 * g + j;
             v[j] = pack2<T>(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
           }
-          stmatrix_x4(addr, v[0], v[1], v[2], v[3]);
+          cute::SM90_U32x4_STSM_N::copy(v[0], v[1], v[2], v[3], *smem_ptr<cute::uint128_t>(addr));
         }
         const int row = row0 + wrow + hr * 8;
         if (wg == 0 && qd == 0 && row < p.rows)
@@ -528,7 +535,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         const uint4 val = *reinterpret_cast<const uint4*>(smem + (sQ - base) + staged(m, unit));
         *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + row0 + m) * kDv + unit * 8) = val;
       }
-      fence_proxy_async();  // sQ: generic accesses here, the next piece's Q by TMA
+      cutlass::arch::fence_view_async_shared();  // sQ: generic accesses here, the next piece's Q by TMA
     } else {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {

@@ -11,6 +11,9 @@
 
 #include <cuda.h>
 
+#include <cute/arch/copy_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+
 #include <utility>
 
 #include "common/convert.cuh"
@@ -206,9 +209,9 @@ struct Softmax {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         const uint32_t addr = dst + sw128_offset(prow, ks * 16 + (lane >> 4) * 8);
-        stmatrix_x4(addr, pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3]);
+        cute::SM90_U32x4_STSM_N::copy(pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3], *smem_ptr<cute::uint128_t>(addr));
       }
-      fence_proxy_async();
+      cutlass::arch::fence_view_async_shared();
     } else {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -218,7 +221,7 @@ struct Softmax {
         *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow, col + 8)) = pa[ks][2];
         *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow + 8, col + 8)) = pa[ks][3];
       }
-      fence_proxy_async();
+      cutlass::arch::fence_view_async_shared();
     }
   }
   // the running max after this warpgroup's unit (row maxima rmax): new max and the factor that

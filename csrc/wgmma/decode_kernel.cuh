@@ -23,6 +23,11 @@
 
 #include <cuda.h>
 
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
 #include "common/ptx.cuh"
 #include "splitkv/schedule.cuh"
 #include "wgmma/config.cuh"
@@ -67,23 +72,24 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   const int qd = lane & 3;
   const bool wg_leader = wtid == 0;
   // kPaired: the peer CTA's shared::cluster address of x is x + peer_delta
-  const uint32_t peer_delta = kPaired ? map_to_rank(base, cluster_rank() ^ 1u) - base : 0u;
+  const uint32_t peer_delta = kPaired ? cute::set_block_rank(base, cute::block_rank_in_cluster() ^ 1u) - base : 0u;
   if (tid == 0) {
     if constexpr (kProduced) {
       // full: every producer thread (+ each producer warp once, see kLandArrivesOf; kPaired:
       // lane 0 of each producer warp with the bytes the peer's counterpart warp copies here)
-      for (int i = 0; i < kFills; ++i) mbar_init(bars + i * 8, kLandArrivesOf<kSrc> ? 132 : 128);
+      for (int i = 0; i < kFills; ++i)
+        ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), kLandArrivesOf<kSrc> ? 132 : 128);
       // empty: the releasing warpgroup's warps (kPaired: of both CTAs)
-      for (int i = kFills; i < 2 * kFills; ++i) mbar_init(bars + i * 8, kPaired ? 8 : 4);
-      if constexpr (kQTmaOf<kSrc>) mbar_init(bars + kQBar * 8, 1);
+      for (int i = kFills; i < 2 * kFills; ++i) ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), kPaired ? 8 : 4);
+      if constexpr (kQTmaOf<kSrc>) ClusterBarrier::init(smem_ptr<uint64_t>(bars + kQBar * 8), 1);
     } else {
-      for (int i = 0; i < 18; ++i) mbar_init(bars + i * 8, 1);
+      for (int i = 0; i < 18; ++i) ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), 1);
     }
-    fence_mbarrier_init();
+    cutlass::arch::fence_barrier_init();
   }
   if (tid == 0) TL(0);
-  pdl_launch_dependents();
-  pdl_wait();  // the plan, q, the indices and the cache are written by earlier kernels
+  cudaTriggerProgrammaticLaunchCompletion();
+  cudaGridDependencySynchronize();  // the plan, q, the indices and the cache are written by earlier kernels
   if (tid == 0) TL(1);
   // per-tensor fp8: S = kv_scale * (q . k8); 1 otherwise
   auto read_kv_scale = [&] {
@@ -99,7 +105,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   const int row0 = blockIdx.y * kRows;
   int u_begin, u_end, U;
   if (!splitkv::cta_units<kSparse>(p, u_begin, u_end, U)) return;  // kPaired: both CTAs (same blockIdx.x)
-  if constexpr (kPaired) cluster_sync();  // both CTAs' barriers initialised
+  if constexpr (kPaired) cute::cluster_sync();  // both CTAs' barriers initialised
   else __syncthreads();                   // barriers initialised
 
   // block id of page pi of request r (0 past the block table: the page is then masked; the
@@ -111,9 +117,9 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if constexpr (kProduced) {
     if constexpr (kSplitOf<kSrc>) {
       if (wg == 2) {  // ---- producer warpgroup of the split schedule
-        set_max_regs_dec<kSplitProducerRegs>();
+        cutlass::arch::warpgroup_reg_dealloc<kSplitProducerRegs>();
         using Prod = RegFp8Producer<kPaired>;
-        const int entry = Prod::entry_of(int(cluster_rank()), wtid), part = Prod::part_of(wtid);
+        const int entry = Prod::entry_of(int(cute::block_rank_in_cluster()), wtid), part = Prod::part_of(wtid);
         Prod prod{p,    static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + kFills * 8,
                   sMask, entry, part, wtid >> 5, lane, peer_delta};
         int r = request_of(u_begin);
@@ -162,11 +168,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           }
           u = Pr + pg_end;
         }
-        if constexpr (kPaired) cluster_sync();  // see the end of the kernel
+        if constexpr (kPaired) cute::cluster_sync();  // see the end of the kernel
         return;
       }
     } else if (wg == 2) {  // ---- producer warpgroup
-      set_max_regs_dec<kProducerRegs>();
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       KeyProducer<T, kSrc> prod{p,        static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + kFills * 8,
                                 sMask,    wtid >> 1, wtid & 1, wtid >> 5, lane};
       typename KeyProducer<T, kSrc>::Fill pending;
@@ -297,19 +303,19 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   };
   if constexpr (kSplitOf<kSrc>) {
     if (wg == 0) {
-      set_max_regs_inc<kSplitWg0Regs>();
+      cutlass::arch::warpgroup_reg_alloc<kSplitWg0Regs>();
       consumers(std::integral_constant<int, 0>{});
     } else {
-      set_max_regs_dec<kSplitWg1Regs>();
+      cutlass::arch::warpgroup_reg_dealloc<kSplitWg1Regs>();
       consumers(std::integral_constant<int, 1>{});
     }
   } else {
-    if constexpr (kProduced) set_max_regs_inc<kConsumerRegs>();
+    if constexpr (kProduced) cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     consumers(wg);
   }
   // kPaired: no CTA leaves while the peer may still write to its shared memory or arrive on
   // its barriers
-  if constexpr (kPaired) cluster_sync();
+  if constexpr (kPaired) cute::cluster_sync();
 }
 
 }  // namespace mla_backend::wgmma

@@ -45,7 +45,7 @@ __device__ __forceinline__ void gmma_rs(const uint32_t* a, uint64_t db, float* d
 template <int N>
 __device__ __forceinline__ void fence_regs(float* d) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
 }
 
 }  // namespace mla_backend::wgmma

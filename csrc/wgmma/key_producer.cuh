@@ -4,6 +4,10 @@
 // in shared memory.
 #pragma once
 
+#include <cute/arch/copy.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cutlass/arch/barrier.h>
+
 #include "common/convert.cuh"
 #include "common/mla_shapes.h"
 #include "common/ptx.cuh"
@@ -93,7 +97,7 @@ struct KeyProducer {
       const int nbytes = (mine >> (8 * j)) & 1 ? 16 : 0;
 #pragma unroll
       for (int k = 0; k < kUnits / 8; ++k) {
-        cp_async_16s(dst_of(16 * warp + e, ln % 8 + 8 * k), row + 8 * 16 * k, nbytes);
+        cp_async_16(dst_of(16 * warp + e, ln % 8 + 8 * k), row + 8 * 16 * k, nbytes);
       }
     }
   }
@@ -108,7 +112,7 @@ struct KeyProducer {
     const int n = h && !part ? 3 : 2;
 #pragma unroll
     for (int l = 0; l < 3; ++l)
-      if (l < n) prefetch_global_l2(row + 128 * l);
+      if (l < n) cute::prefetch(row + 128 * l);
   }
   // half h of buffer b from cache slot `slot` (-1: zeros, masked): h = 0 chunks 0-3, h = 1
   // chunks 4-8 (see kFills)
@@ -125,7 +129,7 @@ struct KeyProducer {
       const uint32_t bar = bars_empty + bit * 8;
       const uint32_t ph = (empty_phase >> bit) & 1;
       // lane 0 decides for its warp: the finish step synchronises the warp
-      const bool ready = __shfl_sync(0xffffffff, mbar_test(bar, ph), 0);
+      const bool ready = __shfl_sync(0xffffffff, ClusterBarrier::test_wait(smem_ptr<uint64_t>(bar), ph, 1u), 0);
       if (!ready && pending.b >= 0) {
         cp_async_wait<0>();
         finish(pending);
@@ -157,22 +161,22 @@ struct KeyProducer {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const uint32_t stage = dst + (4 * h + 1 + 2 * (j >> 2)) * kChunkBytes + raw_offset(e, pt * 4 + (j & 3));
-        cp_async_16s(stage, row + h * 256 + pt * 128 + j * 16, nbytes);
+        cp_async_16(stage, row + h * 256 + pt * 128 + j * 16, nbytes);
       }
       if (rope_here) {  // rope: 64 e4m3 at byte 512, staged raw in chunk 8's row (units 2 part, 2 part + 1)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          cp_async_16s(dst + 8 * kChunkBytes + raw_offset(e, pt * 2 + j), row + 512 + pt * 32 + j * 16, nbytes);
+          cp_async_16(dst + 8 * kChunkBytes + raw_offset(e, pt * 2 + j), row + 512 + pt * 32 + j * 16, nbytes);
         }
       }
     }
     if constexpr (kLandArrivesOf<kSrc>) {
       const uint32_t full = bars_full + bit * 8;
-      cp_async_arrive_noinc(full);
-      if (lane == 0) mbar_arrive(full);  // after the mask store above
+      cutlass::arch::cpasync_barrier_arrive_noinc(smem_ptr<uint64_t>(full));
+      if (lane == 0) ClusterBarrier::arrive(smem_ptr<uint64_t>(full));  // after the mask store above
       f.b = -1;                          // nothing left to finish
     } else {
-      cp_async_commit();
+      cute::cp_async_fence();
     }
     return f;
   }
@@ -220,8 +224,8 @@ struct KeyProducer {
         for (int j = 0; j < 2; ++j) put_at(512 + pt * 32 + j * 16, rope[j]);
       }
     }
-    fence_proxy_async();
-    mbar_arrive(bars_full + fill_id(f.b, f.h) * 8);
+    cutlass::arch::fence_view_async_shared();
+    ClusterBarrier::arrive(smem_ptr<uint64_t>(bars_full + fill_id(f.b, f.h) * 8));
   }
 };
 

@@ -4,6 +4,10 @@
 
 #include <cuda_bf16.h>
 
+#include <cute/arch/copy.hpp>
+#include <cute/arch/util.hpp>
+#include <cutlass/arch/barrier.h>
+
 #include "common/convert.cuh"
 #include "common/mla_shapes.h"
 #include "common/ptx.cuh"
@@ -82,7 +86,7 @@ struct RegFp8Producer {
     const unsigned char* row = token_row(slot);
 #pragma unroll
     for (int k = part; k < 7; k += kPer) {
-      prefetch_global_l2(row + (k < 6 ? 128 * k : 655));
+      cute::prefetch(row + (k < 6 ? 128 * k : 655));
     }
   }
   __device__ __forceinline__ static void store16(uint32_t dst, uint32_t off, uint4 v) {
@@ -109,7 +113,7 @@ struct RegFp8Producer {
         if (lane == 0) {
           uint32_t* word = masks + b * 8 + e / 8;
           *word = valid;
-          st_async_b32(smem_addr(word) + peer_delta, valid, full + peer_delta);
+          st_async_b32(cute::cast_smem_ptr_to_uint(word) + peer_delta, valid, full + peer_delta);
         }
       } else {
         const uint32_t valid = __ballot_sync(0xffffffff, entry_ok);
@@ -136,7 +140,7 @@ struct RegFp8Producer {
 #pragma unroll
       for (int j = 0; j < kRopeLoads; ++j) store16(dst, sw128_offset(row, 512 + part * (64 / kPer) + 8 * j), rope[j]);
     }
-    fence_proxy_async();
+    cutlass::arch::fence_view_async_shared();
     if constexpr (kPaired) {
       // the warp's rows of each chunk of the half are contiguous (1 KiB): once every lane's
       // stores are fenced, lane 0 copies them to the peer's tile (chunks 0-3, or 4-8 with
@@ -151,12 +155,13 @@ struct RegFp8Producer {
           const uint32_t src = dst + c * kChunkBytes + rows;
           bulk_copy_s2cluster(src + peer_delta, src, kRowBytes, full + peer_delta);
         }
-        mbar_expect_tx(full, kRowBytes * (c1 - c0) + (h == 0 ? 4 : 0));
+        const uint32_t bytes = kRowBytes * (c1 - c0) + (h == 0 ? 4 : 0);
+        ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(full), bytes);
       } else {
-        mbar_arrive(full);
+        ClusterBarrier::arrive(smem_ptr<uint64_t>(full));
       }
     } else {
-      mbar_arrive(full);
+      ClusterBarrier::arrive(smem_ptr<uint64_t>(full));
     }
   }
 };
