@@ -44,7 +44,7 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
                 at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse, int64_t num_ctas,
                 int64_t rows_per_cta, double softmax_scale, bool causal,
                 const std::optional<at::Tensor>& kv_scale, double kv_scale_value) {
-  // Shapes and dtypes were validated by mla_backend.ops; re-check what memory safety needs.
+  // mla_backend.ops validates shapes and dtypes; re-check what memory safety needs.
   TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1, "mla_decode: bad q");
   const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == kPage && kv_cache.size(2) == kDqk &&

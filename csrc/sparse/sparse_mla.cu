@@ -76,7 +76,7 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
                        at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse,
                        int64_t num_ctas, int64_t rows_per_cta, double softmax_scale, bool combine,
                        int64_t uniform_units, int64_t units_per_cta) {
-  // Shapes and dtypes were validated by mla_backend.ops; re-check what memory safety needs.
+  // mla_backend.ops validates shapes and dtypes; re-check what memory safety needs.
   TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1 && q.scalar_type() == at::kBFloat16,
               "sparse_mla_decode: bad q");
   const bool ds = kv_cache.scalar_type() == at::kByte;

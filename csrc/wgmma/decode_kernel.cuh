@@ -80,7 +80,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       for (int i = 0; i < kFills; ++i)
         ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), kLandArrivesOf<kSrc> ? 132 : 128);
       // empty: the releasing warpgroup's warps (kPaired: of both CTAs)
-      for (int i = kFills; i < 2 * kFills; ++i) ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), kPaired ? 8 : 4);
+      for (int i = kFills; i < 2 * kFills; ++i)
+        ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), kPaired ? 8 : 4);
       if constexpr (kQTmaOf<kSrc>) ClusterBarrier::init(smem_ptr<uint64_t>(bars + kQBar * 8), 1);
     } else {
       for (int i = 0; i < 18; ++i) ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), 1);
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   int u_begin, u_end, U;
   if (!splitkv::cta_units<kSparse>(p, u_begin, u_end, U)) return;  // kPaired: both CTAs (same blockIdx.x)
   if constexpr (kPaired) cute::cluster_sync();  // both CTAs' barriers initialised
-  else __syncthreads();                   // barriers initialised
+  else __syncthreads();                         // barriers initialised
 
   // block id of page pi of request r (0 past the block table: the page is then masked; the
   // producer copies nothing for it)

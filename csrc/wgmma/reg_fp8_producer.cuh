@@ -121,8 +121,8 @@ struct RegFp8Producer {
       }
     }
     const uint32_t dst = kbuf0 + b * kTileBytes;
-    // unpaired: the entry read afresh from %tid.x; held across the loop, the store offsets
-    // derived from it were hoisted and spilled
+    // unpaired: the entry read afresh from %tid.x (held across the loop, the store offsets
+    // derived from it are hoisted and spill)
     int row = e;
     if constexpr (!kPaired) {
       const int t = int(fresh_tid_x());
