@@ -80,8 +80,8 @@ def _cuda_extension_kwargs() -> dict:
                      "or set MLA_BACKEND_CUTLASS_INCLUDE)")
 
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cu"))
-                     + glob.glob(os.path.join("csrc", "*.cpp")))
+    sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)
+                     + glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     nvcc_flags = [
         "-O3", "-std=c++17",
         "-gencode=arch=compute_90a,code=sm_90a",

@@ -1,4 +1,5 @@
-// Declarations of the host entry points registered in torch_bindings.cpp.
+// The host entry points registered in torch_bindings.cpp: dense decode
+// (dense_decode/mla_decode.cu) and sparse decode / prefill (sparse/sparse_mla.cu).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -6,8 +7,6 @@
 #include <optional>
 
 namespace mla_backend {
-
-at::Tensor probe_scale(const at::Tensor& x, double alpha);
 
 void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_ctas, int64_t min_units,
                  int64_t unit_tokens);

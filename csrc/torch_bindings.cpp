@@ -5,7 +5,6 @@
 #include "ops.h"
 
 TORCH_LIBRARY(mla_backend, m) {
-  m.def("probe_scale(Tensor x, float alpha) -> Tensor");
   m.def(
       "plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, int min_units, int unit_tokens) "
       "-> ()");
@@ -24,7 +23,6 @@ TORCH_LIBRARY(mla_backend, m) {
 }
 
 TORCH_LIBRARY_IMPL(mla_backend, CUDA, m) {
-  m.impl("probe_scale", &mla_backend::probe_scale);
   m.impl("plan_decode", &mla_backend::plan_decode);
   m.impl("mla_decode", &mla_backend::mla_decode);
   m.impl("plan_sparse_decode", &mla_backend::plan_sparse_decode);

@@ -1,32 +1,55 @@
-// The mma.sync m16n8k16 kernel of dense paged decode (csrc/dense_decode.cu). Tiles of 16
-// rows (rows = s_q * H <= 16: TP8/TP16 head counts pay for no padded MMA rows); larger H goes
-// to the wgmma kernel (csrc/decode_wgmma.cu). The template also builds 32- and 64-row tiles
-// (unused now). Sparse attention ran here up to v3 and now runs on the wgmma kernel at every H
-// (docs/kernels/sparse_decode.md). Schedule and numbers: docs/kernels/dense_decode.md.
+// Dense paged decode for up to 16 query rows (rows = s_q * H <= 16: TP8 / TP16 head counts),
+// with mma.sync m16n8k16 on 16-row tiles, so few heads pay for no padded MMA rows; more rows
+// go to the wgmma kernel (wgmma/). Over a 16-bit or a per-tensor fp8 cache.
 //
-// Work unit: 32 consecutive key positions of one request (half a 64-token page). The
-// planner writes unit prefix sums P[0..B] and U (units per CTA); CTA c walks units
-// [cU, cU+U), crossing request boundaries.
-// A request wholly inside one CTA is written straight to out/lse; a request spanning CTAs
-// leaves normalised partials (slot 0 if it is the CTA's first request, else slot 1) that
-// the combine kernel merges by lse.
+// Work unit: 32 consecutive key positions of one request (half a 64-token page); the plan and
+// the partials are the split-KV ones (splitkv/params.h).
 #pragma once
 
-#include "dense_decode_common.cuh"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
-namespace mla_backend {
-namespace dense {
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <cute/arch/util.hpp>
 
-// How the cache stores a token.
-enum class KvFormat {
-  k16,        // 576 values of q's dtype
-  kFp8,       // 576 float8 e4m3, one per-tensor scale (vLLM "fp8")
-};
+#include <type_traits>
 
-constexpr int kUnit = kUnitMma;  // tokens per work unit of this kernel
-constexpr int kSmemRow = kDqk + 8;  // padded row: 1168 B = 73 16-B chunks (odd: no bank conflicts)
-constexpr int kWarpsN = 4;          // warps splitting keys (S) and output columns (PV)
-constexpr int kPRow = kUnit + 8;  // padded P row: 80 B = 5 chunks
+#include "common/convert.cuh"
+#include "common/launch.h"
+#include "common/mla_shapes.h"
+#include "common/ptx.cuh"
+#include "dense_decode/launch.h"
+#include "splitkv/combine.h"
+#include "splitkv/schedule.cuh"
+
+namespace mla_backend::dense_decode {
+namespace mma {
+
+using namespace splitkv;
+
+// ldmatrix .x4 (.trans) of four 8x8 b16 matrices, lane l giving the address of row l % 8 of
+// matrix l / 8, and mma.sync m16n8k16 with fp32 accumulators in place (CuTe's atoms)
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  cute::SM75_U32x4_LDSM_N::copy(*static_cast<const cute::uint128_t*>(p), r[0], r[1], r[2], r[3]);
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
+  cute::SM75_U16x8_LDSM_T::copy(*static_cast<const cute::uint128_t*>(p), r[0], r[1], r[2], r[3]);
+}
+template <typename T>
+using MmaAtom = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
+                                   cute::SM80_16x8x16_F32F16F16F32_TN>;
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  MmaAtom<T>::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1, c[0], c[1], c[2], c[3]);
+}
+
+constexpr int kRows = 16;            // query rows per CTA
+constexpr int kUnit = kUnitMma;      // tokens per work unit of this kernel
+constexpr int kSmemRow = kDqk + 8;   // padded row: 1168 B = 73 16-B chunks (odd: no bank conflicts)
+constexpr int kWarpsN = 4;           // warps splitting keys (S) and output columns (PV)
+constexpr int kPRow = kUnit + 8;     // padded P row: 80 B = 5 chunks
 
 // fp8: cp.async stages the raw bytes; at consume time every thread converts the unit into
 // one bf16/fp16 tile, which S and PV read exactly as in the 16-bit case. Every e4m3 value is
@@ -43,14 +66,14 @@ __device__ __forceinline__ void store_e4m3x16(T* dst, uint4 raw, float scale) {
   out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-template <typename T, int kRows, KvFormat kFmt = KvFormat::k16>
-struct DecodeConfig {
+template <typename T, KvFormat kFmt>
+struct MmaDecodeConfig {
   static constexpr bool kConvert = kFmt != KvFormat::k16;
   static constexpr int kWarpsM = kRows / 16;
   static constexpr int kWarps = kWarpsM * kWarpsN;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = 2;  // 16 rows: <= 100 KiB of shared memory, two CTAs per SM
-  static constexpr int kMinCtasPerSm = kRows == 16 ? 2 : 1;
+  static constexpr int kStages = 2;  // <= 100 KiB of shared memory: two CTAs per SM
+  static constexpr int kMinCtasPerSm = 2;
   // bytes of one cached token as staged, and the 16-byte chunks that load it
   static constexpr int kTokBytes = kFmt == KvFormat::k16 ? kSmemRow * int(sizeof(T)) : kDqk;
   static constexpr int kRowChunks = kFmt == KvFormat::k16 ? kDqk * int(sizeof(T)) / 16 : kDqk / 16;
@@ -66,13 +89,13 @@ struct DecodeConfig {
   static constexpr size_t kSmem = kSmemQ + kSmemKV + kSmemP + kSmemRed;
   static_assert(kKeysPerWarp == 8, "S tile per warp is one 8-key n-tile");
   static_assert(kSmem <= 227 * 1024, "shared memory per CTA");
-  static_assert(kMinCtasPerSm == 1 || 2 * (kSmem + 1024) <= 228 * 1024, "two CTAs per SM");
+  static_assert(2 * (kSmem + 1024) <= 228 * 1024, "two CTAs per SM");
 };
 
-template <typename T, int kRows, KvFormat kFmt>
-__global__ void __launch_bounds__(DecodeConfig<T, kRows, kFmt>::kThreads, DecodeConfig<T, kRows, kFmt>::kMinCtasPerSm)
+template <typename T, KvFormat kFmt>
+__global__ void __launch_bounds__(MmaDecodeConfig<T, kFmt>::kThreads, MmaDecodeConfig<T, kFmt>::kMinCtasPerSm)
 mma_decode_kernel(const __grid_constant__ DecodeParams p) {
-  using Cfg = DecodeConfig<T, kRows, kFmt>;
+  using Cfg = MmaDecodeConfig<T, kFmt>;
   constexpr bool kFp8 = kFmt == KvFormat::kFp8;
   constexpr int kStages = Cfg::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -83,8 +106,8 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
   float* sRedMax = reinterpret_cast<float*>(smem + Cfg::kSmemQ + Cfg::kSmemKV + Cfg::kSmemP);
   float* sRedSum = sRedMax + kWarpsN * kRows;
 
-  pdl_launch_dependents();
-  pdl_wait();  // the plan, q and the cache are written by earlier kernels
+  cudaTriggerProgrammaticLaunchCompletion();
+  cudaGridDependencySynchronize();  // the plan, q and the cache are written by earlier kernels
   const int* P = p.meta;
   const int cta = blockIdx.x;
   const int row0 = blockIdx.y * kRows;
@@ -119,7 +142,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       const int t = i / kRowChunks, ch = i % kRowChunks;
       const bool ok = blk_ok && t < n_valid;  // zero-filled otherwise (never read)
       const unsigned char* src = ok ? base + int64_t(t) * p.kv_stride_tok * kElemBytes + ch * 16 : kv;
-      cp_async_16(dst + dst_off(t, ch), src, ok ? 16 : 0);
+      cp_async_16(cute::cast_smem_ptr_to_uint(dst + dst_off(t, ch)), src, ok ? 16 : 0);
     }
   };
 
@@ -144,7 +167,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (u_begin + s < u_end) load_unit(u_begin + s, s);
-    cp_async_commit();
+    cute::cp_async_fence();
   }
 
   int r_cur = request_of_unit(P, p.batch, u_begin);
@@ -189,7 +212,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
         for (int n = 0; n < Cfg::kNTiles; ++n) {
           const int col = wn * Cfg::kColsPerWarp + n * 8 + qd * 2;
           *reinterpret_cast<uint32_t*>(out + col) =
-              Mma<T>::pack(o[n][hr * 2] * inv_l, o[n][hr * 2 + 1] * inv_l);
+              pack2<T>(o[n][hr * 2] * inv_l, o[n][hr * 2 + 1] * inv_l);
         }
         if (wn == 0 && qd == 0) p.lse[int64_t(r) * p.rows + row] = lse_row;
       } else {
@@ -218,7 +241,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
     {
       const int un = u + kStages - 1;
       if (un < u_end) load_unit(un, (stage + kStages - 1) % kStages);
-      cp_async_commit();
+      cute::cp_async_fence();
     }
     const T* sK = reinterpret_cast<const T*>(sStages + stage * Cfg::kSmemStage);
     if constexpr (kFmt == KvFormat::kFp8) {
@@ -241,11 +264,11 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
     for (int kk = 0; kk < kDqk / 16; kk += 2) {
       uint32_t b[4], a0[4], a1[4];
-      ldmatrix_x4(b, sK + (wn * 8 + (lane & 7)) * kSmemRow + kk * 16 + (lane >> 3) * 8);
-      ldmatrix_x4(a0, sQ + (wm * 16 + (lane & 15)) * kSmemRow + kk * 16 + (lane >> 4) * 8);
-      ldmatrix_x4(a1, sQ + (wm * 16 + (lane & 15)) * kSmemRow + (kk + 1) * 16 + (lane >> 4) * 8);
-      Mma<T>::run(s, a0, b[0], b[1]);
-      Mma<T>::run(s_odd, a1, b[2], b[3]);
+      ldsm_x4(b, sK + (wn * 8 + (lane & 7)) * kSmemRow + kk * 16 + (lane >> 3) * 8);
+      ldsm_x4(a0, sQ + (wm * 16 + (lane & 15)) * kSmemRow + kk * 16 + (lane >> 4) * 8);
+      ldsm_x4(a1, sQ + (wm * 16 + (lane & 15)) * kSmemRow + (kk + 1) * 16 + (lane >> 4) * 8);
+      mma_16816<T>(s, a0, b[0], b[1]);
+      mma_16816<T>(s_odd, a1, b[2], b[3]);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[e] += s_odd[e];
@@ -281,7 +304,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       m_run[hr] = mx;
       const float p0 = exp2f(s[hr * 2] - m_use), p1 = exp2f(s[hr * 2 + 1] - m_use);
       l_run[hr] = l_run[hr] * alpha[hr] + p0 + p1;
-      *reinterpret_cast<uint32_t*>(sP + lr * kPRow + wn * 8 + qd * 2) = Mma<T>::pack(p0, p1);
+      *reinterpret_cast<uint32_t*>(sP + lr * kPRow + wn * 8 + qd * 2) = pack2<T>(p0, p1);
     }
 #pragma unroll
     for (int n = 0; n < Cfg::kNTiles; ++n) {
@@ -293,15 +316,15 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
     for (int ks = 0; ks < kUnit / 16; ++ks) {
       uint32_t a[4];
-      ldmatrix_x4(a, sP + (wm * 16 + (lane & 15)) * kPRow + ks * 16 + (lane >> 4) * 8);
+      ldsm_x4(a, sP + (wm * 16 + (lane & 15)) * kPRow + ks * 16 + (lane >> 4) * 8);
 #pragma unroll
       for (int n = 0; n < Cfg::kNTiles; n += 2) {
         uint32_t b[4];
         const int krow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
         const int col = wn * Cfg::kColsPerWarp + n * 8 + (lane >> 4) * 8;
-        ldmatrix_x4_trans(b, sK + krow * kSmemRow + col);
-        Mma<T>::run(o[n], a, b[0], b[1]);
-        Mma<T>::run(o[n + 1], a, b[2], b[3]);
+        ldsm_x4_trans(b, sK + krow * kSmemRow + col);
+        mma_16816<T>(o[n], a, b[0], b[1]);
+        mma_16816<T>(o[n + 1], a, b[2], b[3]);
       }
     }
     stage = (stage + 1) % kStages;
@@ -310,15 +333,17 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
   epilogue(r_cur);
 }
 
-template <typename T, int kRows, KvFormat kFmt>
+}  // namespace mma
+
+template <typename T, KvFormat kFmt>
 void launch_mma_decode(const DecodeParams& p, cudaStream_t stream) {
-  using Cfg = DecodeConfig<T, kRows, kFmt>;
-  auto kernel = mma_decode_kernel<T, kRows, kFmt>;
+  using namespace mma;
+  using Cfg = MmaDecodeConfig<T, kFmt>;
+  auto kernel = mma_decode_kernel<T, kFmt>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
   launch_pdl(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmem, stream, p);
   launch_combine<T>(p, stream);
 }
 
-}  // namespace dense
-}  // namespace mla_backend
+}  // namespace mla_backend::dense_decode

@@ -1,9 +1,7 @@
-// Shared helpers for mla_backend CUDA sources.
+// Host helpers: CUDA error checks and kernel launches with programmatic dependent launch.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
 #include <utility>
@@ -15,19 +13,12 @@
                 " at " __FILE__ ":", __LINE__);                                    \
   } while (0)
 
-#define MLA_CHECK_LAUNCH() MLA_CHECK_CUDA(cudaGetLastError())
-
 namespace mla_backend {
 
-// Programmatic dependent launch (sm_90): a kernel launched with launch_pdl may start while
-// the previous kernel in the stream finishes; it must call pdl_wait() before touching
-// anything that kernel wrote. pdl_launch_dependents() lets the next kernel start early.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
-// cluster_y > 1: clusters of cluster_y CTAs along the grid's y
+// Programmatic dependent launch (sm_90): a kernel launched this way may start while the
+// previous kernel in the stream finishes; it must call cudaGridDependencySynchronize() before
+// touching anything that kernel wrote, and may call cudaTriggerProgrammaticLaunchCompletion()
+// to let the next kernel start early. cluster_y > 1: clusters of cluster_y CTAs along y.
 template <typename... KArgs, typename... Args>
 inline void launch_pdl_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                                  int cluster_y, Args&&... args) {
@@ -47,16 +38,11 @@ inline void launch_pdl_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block
   cfg.numAttrs = cluster_y > 1 ? 2 : 1;
   MLA_CHECK_CUDA(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
+
 template <typename... KArgs, typename... Args>
 inline void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {
   launch_pdl_clustered(kernel, grid, block, smem, stream, 1, std::forward<Args>(args)...);
-}
-
-inline int device_sm_count(int device) {
-  int n = 0;
-  MLA_CHECK_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
 }
 
 }  // namespace mla_backend

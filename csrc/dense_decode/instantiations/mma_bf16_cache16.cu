@@ -1,0 +1,8 @@
+// Dense decode, up to 16 rows: q bf16, cache bf16.
+#include "dense_decode/mma_kernel.cuh"
+
+namespace mla_backend::dense_decode {
+
+template void launch_mma_decode<__nv_bfloat16, KvFormat::k16>(const DecodeParams& p, cudaStream_t stream);
+
+}  // namespace mla_backend::dense_decode

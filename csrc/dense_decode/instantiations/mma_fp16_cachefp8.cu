@@ -1,0 +1,8 @@
+// Dense decode, up to 16 rows: q fp16, per-tensor fp8 cache.
+#include "dense_decode/mma_kernel.cuh"
+
+namespace mla_backend::dense_decode {
+
+template void launch_mma_decode<__half, KvFormat::kFp8>(const DecodeParams& p, cudaStream_t stream);
+
+}  // namespace mla_backend::dense_decode

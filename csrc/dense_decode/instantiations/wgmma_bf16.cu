@@ -1,0 +1,13 @@
+// Dense decode, 64-row tiles, q bf16: the bf16 cache (pages by TMA) and the per-tensor fp8 cache
+// (producer warpgroup). One translation unit for both: compiled alone, the TMA kernel comes
+// out 8 instructions longer (the optimizer's choices depend on what else the unit holds).
+#include "wgmma/launch.cuh"
+
+namespace mla_backend::wgmma {
+
+template void launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedTma, false, false>(
+    const DecodeParams& p, cudaStream_t stream, bool combine);
+template void launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8, false, false>(
+    const DecodeParams& p, cudaStream_t stream, bool combine);
+
+}  // namespace mla_backend::wgmma

@@ -1,0 +1,9 @@
+// Sparse, 64-row tiles: fp8_ds_mla cache, one row tile (H <= 64).
+#include "wgmma/launch.cuh"
+
+namespace mla_backend::wgmma {
+
+template void launch_decode_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, false, false>(
+    const DecodeParams& p, cudaStream_t stream, bool combine);
+
+}  // namespace mla_backend::wgmma

@@ -1,0 +1,140 @@
+// The combine kernel and its launcher (see combine.h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cutlass/functional.h>
+
+#include "common/convert.cuh"
+#include "common/launch.h"
+#include "common/mla_shapes.h"
+#include "common/ptx.cuh"
+#include "splitkv/combine.h"
+#include "splitkv/schedule.cuh"
+
+namespace mla_backend::splitkv {
+namespace {
+
+// Merge the partials of requests that span CTAs; zero out requests with no keys.
+// One 128-thread block per (row, request): warp g takes splits c = first + g (mod 4), each
+// lane 16 columns (4 float4 per split), so 16 loads per lane are in flight; the warps'
+// sums meet in shared memory. Blocks of unsplit requests exit at once.
+// With more requests than CTAs (by_cta), blockIdx.y = c < num_ctas takes the one request that
+// starts in CTA c's range and continues past it, if there is one (every split request starts
+// in exactly one CTA), and the blocks after those zero the empty requests, one per thread:
+// fewer blocks to launch (a launched block costs about as much as a unit of merging here).
+constexpr int kCombineWarps = 4;
+constexpr int kCombineThreads = 32 * kCombineWarps;
+
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_constant__ DecodeParams p,
+                                                                  bool by_cta) {
+  const cutlass::maximum<float, true> fmax_nan;  // max.NaN: NaN when either input is (fmaxf: the other)
+  __shared__ float4 s_acc[kCombineWarps - 1][4][32];
+  __shared__ float s_red[kCombineWarps];
+  cudaGridDependencySynchronize();  // the decode kernel's partials
+  const int row = blockIdx.x;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  auto P_at = [&](int r) { return plan_start<true>(p, r); };
+  const int U = plan_units_per_cta<true>(p);
+  int r = blockIdx.y;
+  if (by_cta) {
+    if (int(blockIdx.y) >= p.num_ctas) {  // empty requests: out = 0, lse = -inf
+      const int rz = (int(blockIdx.y) - p.num_ctas) * kCombineThreads + tid;
+      if (rz < p.batch && P_at(rz) == P_at(rz + 1)) {
+        uint4* o = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(rz) * p.rows + row) * kDv);
+#pragma unroll 8
+        for (int k = 0; k < kDv * int(sizeof(T)) / 16; ++k) o[k] = make_uint4(0u, 0u, 0u, 0u);
+        p.lse[int64_t(rz) * p.rows + row] = -INFINITY;
+      }
+      return;
+    }
+    const int c = blockIdx.y, c_end = (c + 1) * U;
+    if (c_end >= P_at(p.batch)) return;  // nothing continues past CTA c
+    r = plan_request_of_unit<true>(p, c_end - 1);
+    if (P_at(r) < c * U || P_at(r + 1) <= c_end) return;  // starts earlier, or ends in c
+  }
+  const int Pr = P_at(r), Pr1 = P_at(r + 1);
+  T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
+  if (Pr == Pr1) {  // zero-length request (or no unit): out = 0, lse = -inf
+    *reinterpret_cast<uint2*>(out + tid * 4) = make_uint2(pack2<T>(0.f, 0.f), pack2<T>(0.f, 0.f));
+    if (tid == 0) p.lse[int64_t(r) * p.rows + row] = -INFINITY;
+    return;
+  }
+  const int first = Pr / U, last = (Pr1 - 1) / U;
+  if (first == last) return;  // written directly by its CTA
+  auto slot_row = [&](int c) {
+    const int slot = (c == first && Pr != c * U) ? 1 : 0;
+    return (int64_t(c) * 2 + slot) * p.rows + row;
+  };
+  auto block_reduce = [&](float v, bool is_max) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float w = __shfl_xor_sync(0xffffffff, v, o);
+      v = is_max ? fmax_nan(v, w) : v + w;
+    }
+    if (lane == 0) s_red[warp] = v;
+    __syncthreads();
+    v = s_red[0];
+#pragma unroll
+    for (int i = 1; i < kCombineWarps; ++i) v = is_max ? fmax_nan(v, s_red[i]) : v + s_red[i];
+    __syncthreads();
+    return v;
+  };
+  // max and sum of exp over the splits' lse, all threads striding over splits (a NaN lse, a
+  // NaN in the keys, makes the row NaN: the max keeps it)
+  float mx = -INFINITY;
+  for (int c = first + tid; c <= last; c += 32 * kCombineWarps) mx = fmax_nan(mx, __ldg(p.part_lse + slot_row(c)));
+  mx = block_reduce(mx, true);
+  float wsum = 0.f;
+  if (mx != -INFINITY)
+    for (int c = first + tid; c <= last; c += 32 * kCombineWarps) wsum += __expf(__ldg(p.part_lse + slot_row(c)) - mx);
+  wsum = block_reduce(wsum, false);
+  float4 acc[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (mx != -INFINITY) {
+#pragma unroll 4
+    for (int c = first + warp; c <= last; c += kCombineWarps) {
+      const int64_t pr = slot_row(c);
+      const float w = __expf(__ldg(p.part_lse + pr) - mx);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(p.part_out + pr * kDv + k * 128 + lane * 4));
+        acc[k].x += w * v.x; acc[k].y += w * v.y; acc[k].z += w * v.z; acc[k].w += w * v.w;
+      }
+    }
+  }
+  if (warp > 0) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s_acc[warp - 1][k][lane] = acc[k];
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const float inv = wsum != 0.f ? 1.f / wsum : 0.f;  // 0: no split had a key
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int g = 0; g < kCombineWarps - 1; ++g) {
+      const float4 v = s_acc[g][k][lane];
+      acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
+    }
+    *reinterpret_cast<uint2*>(out + k * 128 + lane * 4) =
+        make_uint2(pack2<T>(acc[k].x * inv, acc[k].y * inv), pack2<T>(acc[k].z * inv, acc[k].w * inv));
+  }
+  if (lane == 0) p.lse[int64_t(r) * p.rows + row] = wsum != 0.f ? mx + __logf(wsum) : -INFINITY;
+}
+
+}  // namespace
+
+template <typename T>
+void launch_combine(const DecodeParams& p, cudaStream_t stream) {
+  const int by_cta_blocks = p.num_ctas + (p.batch + kCombineThreads - 1) / kCombineThreads;
+  const bool by_cta = by_cta_blocks < p.batch;
+  launch_pdl(combine_kernel<T>, dim3(p.rows, by_cta ? by_cta_blocks : p.batch), dim3(kCombineThreads), 0, stream, p,
+             by_cta);
+}
+
+template void launch_combine<__nv_bfloat16>(const DecodeParams& p, cudaStream_t stream);
+template void launch_combine<__half>(const DecodeParams& p, cudaStream_t stream);
+
+}  // namespace mla_backend::splitkv

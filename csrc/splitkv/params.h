@@ -1,0 +1,55 @@
+// The parameters of every split-KV attention kernel (dense and sparse decode, sparse
+// prefill, the combine): one struct, passed by value as a __grid_constant__.
+//
+// A plan splits the keys of all requests into work units of a fixed number of tokens; CTA c
+// takes units [cU, cU + U) (U = units per CTA), crossing request boundaries (splitkv/schedule.cuh).
+// A request wholly inside one CTA is written straight to out / lse; a request spanning CTAs
+// leaves normalised partials (slot 0 if it is the CTA's first request, else slot 1) that the
+// combine kernel (splitkv/combine.cu) merges by lse.
+#pragma once
+
+#include <cstdint>
+
+namespace mla_backend::splitkv {
+
+// Tokens per work unit: the mma.sync kernel (16-row tiles) and the wgmma kernels.
+constexpr int kUnitMma = 32;
+constexpr int kUnitWgmma = 64;
+
+struct DecodeParams {
+  const void* q;
+  int64_t q_stride_b, q_stride_s, q_stride_h;
+  const void* kv;
+  int64_t kv_stride_block, kv_stride_tok;
+  int64_t num_blocks;
+  const int* block_table;
+  int64_t bt_stride;
+  int max_blocks;
+  const int* seq_lens;
+  const int* meta;  // the plan: P[0..batch] (first unit of each request), U at [batch + 1]
+  float* part_out;  // [2C][rows][512]
+  float* part_lse;  // [2C][rows]
+  void* out;        // [batch][rows][512]
+  float* lse;       // [batch][rows]
+  int batch, s_q, heads, rows, num_ctas;
+  const float* kv_scale_ptr;  // fp8 cache: per-tensor scale on the device, or nullptr ...
+  float kv_scale_value;       // ... then this value
+  float scale_log2;
+  bool causal;
+  // Sparse (DSA) attention: request r of the plan is query group r = (b, s) = (r / group_s_q,
+  // r % group_s_q) with `rows` = H query rows; its keys are the cache slots listed in
+  // indices[b, s, 0 .. len) (len = min(topk_length[b], topk), or topk), slot = block * 64 +
+  // offset; a slot outside [0, num_slots) is skipped. Dense: indices == nullptr, group_s_q 1.
+  const int* indices = nullptr;
+  int64_t idx_stride_b = 0, idx_stride_s = 0;
+  const int* topk_length = nullptr;
+  int topk = 0;
+  int group_s_q = 1;
+  int64_t num_slots = 0;
+  // Uniform sparse plans (see plan_start): units per request (0: the plan is in meta) and
+  // units per CTA
+  int uniform_units = 0;
+  int units_per_cta = 0;
+};
+
+}  // namespace mla_backend::splitkv

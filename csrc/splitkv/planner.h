@@ -1,0 +1,16 @@
+// The planner: one small kernel that writes a plan's schedule (splitkv/schedule.cuh) from the
+// requests' key counts, so the plan follows lengths that live on the device.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace mla_backend::splitkv {
+
+// meta[0..batch] = P (unit prefix sums), meta[batch + 1] = U = max(ceil(all units / num_ctas),
+// min_units). Request b has min(max(lens[b / repeat], 0), max_len) keys (lens == nullptr:
+// max_len), in units of `unit` tokens. Dense: lens = seq_lens, repeat 1; sparse: lens =
+// topk_length per batch entry, one request per (entry, query token), max_len = topk.
+void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
+                    int unit, cudaStream_t stream);
+
+}  // namespace mla_backend::splitkv

@@ -1,0 +1,572 @@
+// The two consumer warpgroups of the decode kernel (decode_kernel.cuh): their state and the
+// CTA's units, one request piece at a time. Per piece the seesaw over unit pairs or the split
+// schedule over single units, then the epilogue. The K-buffer steps (loads, waits, releases)
+// are lambdas here, the wgmma and softmax steps structs in consumer_steps.cuh.
+//
+// Seesaw (every source but fp8_ds_mla): units of a piece go in pairs, warpgroup 0 owns even
+// units (buffer K0), warpgroup 1 odd units (buffer K1); warpgroup w holds output columns
+// [256w, 256w + 256).
+//   S        : each warpgroup computes S = Q K^T for its own unit, 64 rows x 64 keys over
+//              576 (wgmma m64n64k16).
+//   softmax  : warpgroup 0 first, then warpgroup 1 on top of its running max; the max and
+//              the rescale factors go through smem (named barriers kBarMax0, kBarMax1).
+//   PV       : each warpgroup multiplies its own P from registers (RS) by its half of its own
+//              unit's V, and the other's P (smem, after barriers kBarP0 / kBarP1) by its half
+//              of the other unit's V.
+// Each half of a K buffer (chunks 0-3 = V left, 4-8 = V right + rope) is released as soon as
+// its last reader's wgmma retires (kPagedTma: its TMA refill is issued; with a producer: the
+// producer's "empty" mbarrier is signalled), so the next pair of units streams in while this
+// pair computes.
+// Split (fp8_ds_mla): one unit at a time; warpgroup 0 computes S, the softmax and O's left
+// half (P from registers), warpgroup 1 only O's right half (P from smem).
+#pragma once
+
+#include <cuda.h>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/copy_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include <utility>
+
+#include "common/convert.cuh"
+#include "common/mla_shapes.h"
+#include "common/ptx.cuh"
+#include "splitkv/schedule.cuh"
+#include "wgmma/config.cuh"
+#include "wgmma/consumer_steps.cuh"
+#include "wgmma/gmma.cuh"
+#include "wgmma/smem_layout.cuh"
+#include "wgmma/timeline.cuh"
+
+namespace mla_backend::wgmma {
+
+// What the kernel's prologue computed, by reference (see consumer_steps.cuh)
+struct SeesawCta {
+  unsigned char* const& smem;  // shared memory, 1024-byte aligned (SW128 atoms need it), generic
+  const uint32_t& base;        // ... and its shared::cta address
+  const uint32_t& sQ;          // Q, then K0, K1 (kTileBytes each)
+  // kPagedTma: P0 in a buffer of its own, P1 in Q's rope chunk once that is in registers;
+  // with a producer (fewer registers left): P0 in K0's rope chunk, dead once S of its unit is
+  // done (see kFills), P1 in the buffer of its own
+  const uint32_t& sP0;
+  const uint32_t& sP1;
+  float* const& sM;       // running max (log2) [64]
+  float* const& sScale0;  // rescale factors published by warpgroup 0 [64] ...
+  float* const& sScale1;  // ... and warpgroup 1 [64]
+  float* const& sSum;     // row sums [2][64]
+  // mbarriers. kPagedTma: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8. With a
+  // producer: "full" of part h of buffer b at bars + fill_id(b, h) * 8, "empty" at
+  // bars + (kFills + fill_id(b, h)) * 8; the Q barrier (kQTmaOf) at bars + kQBar * 8.
+  const uint32_t& bars;
+  uint32_t* const& sMask;  // sparse: [2][4] (kPaired [2][8]) words of valid-entry bits
+  const int& tid;
+  const int& lane;
+  const int& wtid;        // thread in the warpgroup
+  const int& wrow;        // this thread's rows of the tile: wrow, wrow + 8
+  const int& qd;          // lane % 4: its columns of the accumulator fragments
+  const bool& wg_leader;  // wtid == 0
+  const uint32_t& peer_delta;  // kPaired: the peer CTA's shared::cluster address of x is x + peer_delta
+  const float& scale_log2;     // the softmax scale in the log2 domain (times kv_scale)
+  const int& cta;              // blockIdx.x
+  const int& row0;             // the first row of the CTA's tile
+  const int& u_begin;          // the CTA's units [u_begin, u_end), U per CTA
+  const int& u_end;
+  const int& U;
+};
+
+// The consumer warpgroups (256 threads). The split schedule instantiates this once per
+// warpgroup (wg_id a compile-time constant), each under its own register limit: a shared path
+// would have to fit the smaller one.
+template <typename T, KeySource kSrc, bool kPaired, typename WgId>
+__device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const CUtensorMap& kv_map,
+                                                    const CUtensorMap& q_map, const SeesawCta& c, WgId wg_id) {
+  constexpr bool kSparse = kSparseOf<kSrc>;
+  constexpr bool kProduced = kProducedOf<kSrc>;
+  constexpr bool kQTma = kQTmaOf<kSrc>;
+  // the kernel's locals under their own names, bound once here (see consumer_steps.cuh)
+  auto& smem = c.smem;
+  auto& base = c.base;
+  auto& sQ = c.sQ;
+  auto& sP0 = c.sP0;
+  auto& sP1 = c.sP1;
+  auto& sM = c.sM;
+  auto& sScale0 = c.sScale0;
+  auto& sScale1 = c.sScale1;
+  auto& sSum = c.sSum;
+  auto& bars = c.bars;
+  auto& sMask = c.sMask;
+  auto& tid = c.tid;
+  auto& lane = c.lane;
+  auto& wtid = c.wtid;
+  auto& wrow = c.wrow;
+  auto& qd = c.qd;
+  auto& wg_leader = c.wg_leader;
+  auto& peer_delta = c.peer_delta;
+  auto& scale_log2 = c.scale_log2;
+  auto& cta = c.cta;
+  auto& row0 = c.row0;
+  auto& u_begin = c.u_begin;
+  auto& u_end = c.u_end;
+  auto& U = c.U;
+  auto sKbuf = [&](int b) { return base + (1 + b) * kTileBytes; };
+  // per-tensor fp8: O = kv_scale * (P . v8) (read again in the epilogue rather than held in a
+  // register); 1 otherwise
+  auto read_kv_scale = [&] {
+    return kSrc == KeySource::kPagedFp8 ? (p.kv_scale_ptr != nullptr ? __ldg(p.kv_scale_ptr) : p.kv_scale_value)
+                                        : 1.f;
+  };
+  // the plan (the sparse kernels may run a uniform plan: see plan_start)
+  auto P_at = [&](int r) { return splitkv::plan_start<kSparse>(p, r); };
+  auto request_of = [&](int u) { return splitkv::plan_request_of_unit<kSparse>(p, u); };
+  // block id of page pi of request r (0 past the block table: the page is then masked and
+  // its V zeroed, see n_valid)
+  auto block_of = [&](int r, int pi) {
+    return pi < p.max_blocks ? __ldg(p.block_table + r * p.bt_stride + pi) : 0;
+  };
+  const int wg = wg_id;
+  auto consumers_sync = [&] {
+    if constexpr (kProduced) named_sync(kBarConsumers, kConsumerThreads);
+    else __syncthreads();
+  };
+
+  // kPagedTma: bit (9b + c): parity of buffer b chunk c's next completion; with a producer:
+  // bit fill_id(b, h) of that part's "full" barrier
+  uint32_t phases = 0;
+  const T* qbase = static_cast<const T*>(p.q);
+  const uint32_t q_bar = bars + kQBar * 8;
+  uint32_t q_phase = 0;
+  // kQTma: Q of query group rq -> sQ (one thread; sQ is free)
+  auto load_q = [&](int rq) {
+    ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(q_bar), kTileBytes);
+#pragma unroll
+    for (int c = 0; c < kDqk / 64; ++c)
+      tma_load_4d(sQ + c * kChunkBytes, &q_map, c * 64, row0, rq % p.group_s_q, rq / p.group_s_q, q_bar);
+  };
+
+  // TMA of one half of buffer b (h = 0: chunks 0-3, h = 1: chunks 4-8), one mbarrier per
+  // chunk so S can start on each as it lands
+  auto load_half = [&](int b, int h, int blk) {
+    const int c0 = h == 0 ? 0 : 4, c1 = h == 0 ? 4 : 9;
+    for (int c = c0; c < c1; ++c) {
+      const uint32_t bar = bars + (9 * b + c) * 8;
+      ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(bar), kChunkBytes);
+      tma_load_3d(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, 0, blk, bar);
+    }
+  };
+  // half h of buffer b is no longer read by this warpgroup (its wgmmas retired): kPagedTma,
+  // TMA the next page there (if there is one); otherwise tell the producer
+  auto release = [&](int b, int h, bool has_next, int next_blk) {
+    if constexpr (kProduced) {
+      const uint32_t empty = bars + (kFills + fill_id(b, h)) * 8;
+      if (lane == 0) ClusterBarrier::arrive(smem_ptr<uint64_t>(empty));
+      if (kPaired && lane == 0) mbar_arrive_remote(empty + peer_delta);  // the peer's producer writes here too
+    } else {
+      if (wg_leader && has_next) load_half(b, h, next_blk);
+    }
+  };
+  auto wait_chunk = [&](int b, int c) {
+    if constexpr (kProduced) {
+      // one barrier per half: chunks 0-3, 4-8
+      if (c != 0 && c != 4) return;
+      const int bit = fill_id(b, c >> 2);
+      mbar_wait(bars + bit * 8, (phases >> bit) & 1);
+      phases ^= 1u << bit;
+      // kLandArrivesOf: cp.async wrote the half through the generic proxy and no producer
+      // thread fenced it. kPaired: the peer's rows come by bulk copy (async proxy) and the
+      // local ones are fenced by the producer, so this fence is redundant (it costs nothing
+      // measurable, and the tested build has it)
+      if constexpr (kLandArrivesOf<kSrc> || kPaired) cutlass::arch::fence_view_async_shared();
+    } else {
+      const int bit = 9 * b + c;
+      mbar_wait(bars + bit * 8, (phases >> bit) & 1);
+      phases ^= 1u << bit;
+    }
+  };
+  // rows >= n_valid of a page's V (chunks 0-7) hold whatever the cache has there: zero them
+  // (a producer zero-fills the entries it does not copy)
+  auto zero_tail = [&](int b, int n_valid) {
+    if constexpr (!kProduced) {
+      if (n_valid >= kKeys) return;
+      for (int i = wtid; i < (kKeys - n_valid) * 64; i += 128) {
+        const int t = n_valid + i / 64, c = i % 64;  // 8 chunks x 8 16-byte units per row
+        *reinterpret_cast<uint4*>(smem + (sKbuf(b) - base) + sw128_offset(t, c * 8)) = make_uint4(0, 0, 0, 0);
+      }
+      cutlass::arch::fence_view_async_shared();
+      named_sync(kBarWg0 + wg, 128);
+    }
+  };
+  // wgmma descriptors of Q, the K buffers and this warpgroup's V columns of them (desc_at)
+  const uint64_t dQ = make_desc(sQ, 16, 1024);
+  const uint64_t dK0 = make_desc(sKbuf(0), 16, 1024), dK1 = make_desc(sKbuf(1), 16, 1024);
+  const uint64_t dV0 = make_desc(sKbuf(0) + wg * kHalfL, kChunkBytes, 1024);
+  const uint64_t dV1 = make_desc(sKbuf(1) + wg * kHalfL, kChunkBytes, 1024);
+  float o[128];        // O: this warpgroup's 64 rows x 256 columns (wgmma accumulators)
+  float s[32];         // S of this warpgroup's current unit, then its P (fp32)
+  uint32_t q8[4][4];   // kPagedTma: Q's rope chunk (columns 512-575) as wgmma A fragments
+  float l_run[2];      // row sums of P
+  Gemms<T, kSrc, kPaired, decltype(wait_chunk)> mm{wait_chunk, dQ, dK0, dK1, dV0, dV1, s, o, q8};
+  auto nothing = [] {};
+  Softmax<T, kSrc, kPaired> sx{p, s, o, sM, sMask, smem, base, scale_log2, row0, wrow, qd, wtid, lane};
+
+  // ---- the CTA's unit range, one request piece at a time
+  int r = request_of(u_begin);
+  for (int u = u_begin; u < u_end;) {
+    while (u >= P_at(r + 1)) ++r;
+    const int Pr = P_at(r);
+    const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;  // page indices
+    const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + r);
+    // dense prologue: first pages of the piece (both buffers are free: the previous piece
+    // ended with a CTA barrier after every wgmma retired)
+    if (!kProduced && wg_leader) {
+      const int pg = pg_begin + wg;
+      if (pg < pg_end) {
+        const int blk = block_of(r, pg);
+        load_half(wg, 0, blk);
+        load_half(wg, 1, blk);
+      }
+    }
+    if constexpr (kQTma) {  // the previous piece ended with a consumer barrier: sQ is free
+      if (tid == 0) load_q(r);
+      if (tid < kRows) sM[tid] = kNoMax;
+      if (!kSplitOf<kSrc> || wg == 0) mbar_wait(q_bar, q_phase);  // split: only warpgroup 0 reads Q
+      if (wtid == 0 && u == u_begin) TL(4 + wg);
+      q_phase ^= 1;
+      consumers_sync();
+    } else {
+    // Q tile -> smem (cp.async: every copy in flight at once, rows past `rows` zero-filled;
+    // plain loads stalled each store on its load), the running max reset
+    for (int i = tid; i < kRows * kChunksPerRow; i += kConsumerThreads) {
+      const int m = i / kChunksPerRow, c = i % kChunksPerRow;
+      const int row = row0 + m;
+      const T* src = qbase;
+      if (row < p.rows) {
+        const int qi = row / p.heads, h = row % p.heads;
+        // dense: request r = batch entry; sparse: group r = (b, s), qi = 0
+        src += int64_t(r / p.group_s_q) * p.q_stride_b + int64_t(r % p.group_s_q + qi) * p.q_stride_s +
+               int64_t(h) * p.q_stride_h + c * 8;
+      }
+      cp_async_16(base + sw128_offset(m, c * 8), src, row < p.rows ? 16 : 0);
+    }
+    cute::cp_async_fence();
+    if (tid < kRows) sM[tid] = kNoMax;
+    cp_async_wait<0>();
+    cutlass::arch::fence_view_async_shared();
+    consumers_sync();
+    }
+    if constexpr (!kProduced) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {  // Q rope chunk -> registers (A fragments)
+        const int row = (wtid >> 5) * 16 + (lane & 15);
+        cute::SM75_U32x4_LDSM_N::copy(
+            *reinterpret_cast<const cute::uint128_t*>(smem + sw128_offset(row, 512 + kk * 16 + (lane >> 4) * 8)),
+            q8[kk][0], q8[kk][1], q8[kk][2], q8[kk][3]);
+      }
+      __syncthreads();  // chunk 8 of sQ is now free for P1
+    }
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    l_run[0] = l_run[1] = 0.f;
+
+    if constexpr (kSplitOf<kSrc>) {
+      // ---- split schedule, one unit at a time (unit i in buffer i % 2). Warpgroup 0: S,
+      // the softmax, P to sP with its scale, O's left half (P from registers); warpgroup 1:
+      // O's right half from sP. The running max lives in warpgroup 0's registers.
+      const int n = pg_end - pg_begin;
+      const uint32_t sP = sP1;
+      if (wg == 0) {
+        float m_run[2] = {kNoMax, kNoMax};
+        // S of the unit in buffer b, chunk by chunk as its halves land; between() after the
+        // left half's 4 groups (the previous unit's PV, issued before, then has retired)
+        auto issue_s_split = [&](int b, auto between) {
+#pragma unroll
+          for (int c = 0; c < 9; ++c) {
+            wait_chunk(b, c);
+            cute::warpgroup_arrive();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const uint32_t koff = c * kChunkBytes + k * 32;
+              gmma_ss<typename Gmma<T>::QK_SS>(desc_at(dQ, koff), desc_at(mm.dK(b), koff),
+                                               s, c != 0 || k != 0, std::make_index_sequence<32>{});
+            }
+            cute::warpgroup_commit_batch();
+            if (c == 3) between();
+          }
+        };
+        if (n > 0) issue_s_split(0, nothing);
+        uint32_t pfrag[4][4];
+#pragma unroll 1
+        for (int i = 0; i < n; ++i) {
+          const int b = i & 1;
+          cute::warpgroup_wait<0>();
+          fence_regs<32>(s);
+          fence_regs<128>(o);
+          float rmax[2], m_new[2], scale[2], rsum[2];
+          sx.mask_and_max(0, 0, rmax, b);
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            m_new[hr] = fmaxf(m_run[hr], rmax[hr]);
+            scale[hr] = exp2f(m_run[hr] - m_new[hr]);
+            m_run[hr] = m_new[hr];
+          }
+          sx.exponentiate(m_new, rsum);
+          const float one[2] = {1.f, 1.f};
+          sx.pack_p(pfrag, one);
+          if (i > 0) named_sync(kBarP1, 256);  // warpgroup 1 is done with sP and sScale0
+          if (qd == 0) { sScale0[wrow] = scale[0]; sScale0[wrow + 8] = scale[1]; }
+          sx.store_p(sP, pfrag);
+          named_arrive(kBarP0, 256);
+          sx.scale_o(scale);
+          l_run[0] = l_run[0] * scale[0] + rsum[0];
+          l_run[1] = l_run[1] * scale[1] + rsum[1];
+          fence_regs<128>(o);
+          mm.issue_pv_rs(pfrag, b);
+          if (i + 1 < n) {
+            // the next unit's S behind this PV; the PV retires during its left half, then
+            // this unit's left half is released
+            issue_s_split(b ^ 1, [&] {
+              cute::warpgroup_wait<4>();
+              release(b, 0, false, 0);
+            });
+          } else {
+            cute::warpgroup_wait<0>();
+            release(b, 0, false, 0);
+          }
+        }
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(o);
+        if (qd == 0) { sM[wrow] = m_run[0]; sM[wrow + 8] = m_run[1]; }
+      } else {
+#pragma unroll 1
+        for (int i = 0; i < n; ++i) {
+          const int b = i & 1;
+          named_sync(kBarP0, 256);  // P of unit i and its scale are in smem
+          const float scale[2] = {sScale0[wrow], sScale0[wrow + 8]};
+          sx.scale_o(scale);
+          fence_regs<128>(o);
+          mm.issue_pv_ss(sP, b);
+          cute::warpgroup_wait<0>();
+          fence_regs<128>(o);
+          if (i + 1 < n) named_arrive(kBarP1, 256);
+          release(b, 1, false, 0);
+        }
+      }
+    } else {
+    // this warpgroup's first page
+    if (pg_begin + wg < pg_end) {
+      if (wg == 0) mm.issue_s(std::integral_constant<int, 0>{}, nothing);
+      else mm.issue_s(std::integral_constant<int, 1>{}, nothing);
+      cute::warpgroup_wait<0>();
+      fence_regs<32>(s);
+    }
+
+    // The max handshake (kBarMax0, kBarMax1) carries only what the other warpgroup needs: each
+    // warpgroup announces its max as soon as it is published, and warpgroup 1 takes its row
+    // maxima before it waits: each wait sits on the chain that ends in K0 right's refill
+    // (sparse prefill H = 128 -6% in cycles, dense decode up to -6.5%, against waits on both).
+    for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
+      if (wtid == 0 && wg == 0) {
+        const int k = 8 + (u - u_begin + pa_ - pg_begin) / 2;
+        if (k < 56) TL(k);
+      }
+      const int pb = pa_ + 1;  // warpgroup 1's page
+      const bool has_b = pb < pg_end;
+      // block ids of the next pair, read now so the load latency hides behind this pair
+      int blk_a2 = 0, blk_b2 = 0;
+      if (!kProduced && wg_leader) {
+        if (pa_ + 2 < pg_end) blk_a2 = block_of(r, pa_ + 2);
+        if (pb + 2 < pg_end) blk_b2 = block_of(r, pb + 2);
+      }
+      if (wg == 0) {
+        // ---- softmax of page pa_ on top of the running max
+        float rmax[2], m_new[2], scale0[2], rsum[2];
+        sx.mask_and_max(pa_ * kKeys, seq_len, rmax, 0);
+        sx.update_max(rmax, m_new, scale0, sScale0);
+        named_arrive(kBarMax0, 256);
+        {
+          // ptxas would hoist 24 of the exponentials above the arrive (~190 cycles of MUFU on
+          // the chain it starts). Reading back the published scale (only this warpgroup writes
+          // sScale0) and adding back - scale, an exact 0, to the max keeps them below it: the
+          // load cannot pass the barrier, nor the exponentials the load
+          __syncwarp();
+          const float back = *reinterpret_cast<volatile float*>(sScale0 + wrow);
+          const float zero = back - scale0[0];
+          m_new[0] += zero;
+          m_new[1] += zero;
+        }
+        sx.exponentiate(m_new, rsum);
+        sx.scale_o(scale0);
+        l_run[0] = l_run[0] * scale0[0] + rsum[0];
+        l_run[1] = l_run[1] * scale0[1] + rsum[1];
+        const int n_valid = pa_ < p.max_blocks ? min(kKeys, seq_len - pa_ * kKeys) : 0;
+        zero_tail(0, n_valid);
+        uint32_t pfrag[4][4];
+        const float one[2] = {1.f, 1.f};
+        sx.pack_p(pfrag, one);
+        fence_regs<128>(o);
+        mm.issue_pv_rs(pfrag, 0);
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(o);
+        named_sync(kBarMax1, 256);
+        // left half of K0 is done (S and both its PV readers are warpgroup 0's)
+        release(0, 0, pa_ + 2 < pg_end, blk_a2);
+        const float scale1[2] = {sScale1[wrow], sScale1[wrow + 8]};
+        sx.pack_p(pfrag, scale1);  // P0 rescaled to warpgroup 1's max, for its PV
+        sx.store_p(sP0, pfrag);
+        named_arrive(kBarP0, 256);
+        sx.scale_o(scale1);
+        l_run[0] *= scale1[0];
+        l_run[1] *= scale1[1];
+        if (has_b) {
+          named_sync(kBarP1, 256);
+          fence_regs<128>(o);
+          mm.issue_pv_ss(sP1, 1);
+        }
+        // the PV with page b retires first: then buffer 1's left half can be refilled
+        auto release_k1_left = [&] {
+          if (!has_b) return;
+          cute::warpgroup_wait<4>();  // all but the 4 chunk groups of S issued after it
+          release(1, 0, pb + 2 < pg_end, blk_b2);
+        };
+        if (pa_ + 2 < pg_end) {
+          mm.issue_s(std::integral_constant<int, 0>{}, release_k1_left);
+        } else if (has_b) {
+          cute::warpgroup_wait<0>();
+          release(1, 0, pb + 2 < pg_end, blk_b2);
+        }
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(o);
+        fence_regs<32>(s);
+      } else {
+        float rmax[2], m_new[2], scale1[2], rsum[2] = {0.f, 0.f};
+        if (has_b) sx.mask_and_max(pb * kKeys, seq_len, rmax, 1);  // needs nothing of warpgroup 0's
+        named_sync(kBarMax0, 256);
+        const float scale0[2] = {sScale0[wrow], sScale0[wrow + 8]};
+        if (!has_b) rmax[0] = rmax[1] = -INFINITY;
+        sx.update_max(rmax, m_new, scale1, sScale1);  // on top of warpgroup 0's new max
+        named_arrive(kBarMax1, 256);
+        const float both[2] = {scale0[0] * scale1[0], scale0[1] * scale1[1]};
+        // P1 is stored and signalled before this warpgroup scales its O (warpgroup 0's PV with
+        // P1 releases K1's left half when it retires)
+        uint32_t pfrag[4][4];
+        if (has_b) {
+          sx.exponentiate(m_new, rsum);
+          const int n_valid = pb < p.max_blocks ? min(kKeys, seq_len - pb * kKeys) : 0;
+          zero_tail(1, n_valid);
+          const float one[2] = {1.f, 1.f};
+          sx.pack_p(pfrag, one);
+          sx.store_p(sP1, pfrag);
+          named_arrive(kBarP1, 256);
+        }
+        sx.scale_o(both);
+        l_run[0] = l_run[0] * both[0] + rsum[0];
+        l_run[1] = l_run[1] * both[1] + rsum[1];
+        if (has_b) {
+          fence_regs<128>(o);
+          mm.issue_pv_rs(pfrag, 1);
+        }
+        named_sync(kBarP0, 256);
+        fence_regs<128>(o);
+        mm.issue_pv_ss(sP0, 0);
+        if (has_b) {
+          cute::warpgroup_wait<1>();
+          release(1, 1, pb + 2 < pg_end, blk_b2);
+        }
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(o);
+        release(0, 1, pa_ + 2 < pg_end, blk_a2);
+        if (pb + 2 < pg_end) {
+          mm.issue_s(std::integral_constant<int, 1>{}, nothing);
+          cute::warpgroup_wait<0>();
+          fence_regs<32>(s);
+        }
+      }
+    }
+
+    }  // seesaw schedule
+
+    if (wtid == 0) TL(56 + wg);
+    // ---- epilogue of the piece: row sums of both warpgroups, then out / partial
+    float l0 = l_run[0], l1 = l_run[1];
+    l0 += __shfl_xor_sync(0xffffffff, l0, 1); l0 += __shfl_xor_sync(0xffffffff, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffff, l1, 1); l1 += __shfl_xor_sync(0xffffffff, l1, 2);
+    if (qd == 0) { sSum[wg * kRows + wrow] = l0; sSum[wg * kRows + wrow + 8] = l1; }
+    consumers_sync();
+    const float lt[2] = {sSum[wrow] + sSum[kRows + wrow], sSum[wrow + 8] + sSum[kRows + wrow + 8]};
+    const float mt[2] = {sM[wrow], sM[wrow + 8]};
+    const int Pr1 = P_at(r + 1);
+    const bool split = (Pr / U) != ((Pr1 - 1) / U);
+    const float kv_scale = read_kv_scale();
+    const int slot = Pr <= u_begin ? 0 : 1;
+    if (kSparse && !split) {
+      // a whole request: O (bf16) through sQ (free: this piece's S are done) into rows of 1024
+      // bytes, 16-byte units XOR-swizzled by row % 8, with one stmatrix per 4 n-blocks; then
+      // the 256 consumer threads store it with 16-byte coalesced stores (from the accumulator
+      // layout, each 4-byte store spans 8 rows, 8 lines per instruction: ~5 us per piece).
+      auto staged = [&](int m, int unit) { return uint32_t(m * 1024 + ((unit ^ (m & 7)) << 4)); };
+      const int srow = (wtid >> 5) * 16 + (lane & 7);  // row of the matrix this lane addresses
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const float inv_l = lt[hr] != 0.f ? 1.f / lt[hr] : 0.f;
+        const int mrow = srow + hr * 8;
+#pragma unroll
+        for (int g = 0; g < 8; ++g) {  // n-blocks 4g .. 4g + 3: matrix j = lane / 8
+          const int unit = wg * 32 + 4 * g + (lane >> 3);
+          const uint32_t addr = sQ + staged(mrow, unit);
+          uint32_t v[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int n = 4 * g + j;
+            v[j] = pack2<T>(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
+          }
+          cute::SM90_U32x4_STSM_N::copy(v[0], v[1], v[2], v[3], *smem_ptr<cute::uint128_t>(addr));
+        }
+        const int row = row0 + wrow + hr * 8;
+        if (wg == 0 && qd == 0 && row < p.rows)
+          p.lse[int64_t(r) * p.rows + row] = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
+      }
+      consumers_sync();
+      const int ctid = wg * 128 + wtid;
+#pragma unroll 4
+      for (int k = 0; k < kRows * 64 / kConsumerThreads; ++k) {
+        const int i = k * kConsumerThreads + ctid, m = i >> 6, unit = i & 63;
+        if (row0 + m >= p.rows) continue;
+        const uint4 val = *reinterpret_cast<const uint4*>(smem + (sQ - base) + staged(m, unit));
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + row0 + m) * kDv + unit * 8) = val;
+      }
+      cutlass::arch::fence_view_async_shared();  // sQ: generic accesses here, the next piece's Q by TMA
+    } else {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row0 + wrow + hr * 8;
+      if (row >= p.rows) continue;
+      const float inv_l = lt[hr] != 0.f ? kv_scale / lt[hr] : 0.f;  // kv_scale: O = kv_scale * P.v8
+      const float lse_row = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
+      if (!split) {
+        T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv + wg * 256;
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+          *reinterpret_cast<uint32_t*>(out + n * 8 + qd * 2) =
+              pack2<T>(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
+        }
+        if (wg == 0 && qd == 0) p.lse[int64_t(r) * p.rows + row] = lse_row;
+      } else {
+        const int64_t prow = (int64_t(cta) * 2 + slot) * p.rows + row;
+        float* po = p.part_out + prow * kDv + wg * 256;
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+          *reinterpret_cast<float2*>(po + n * 8 + qd * 2) =
+              make_float2(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
+        }
+        if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
+      }
+    }
+    }  // staged or direct stores
+    consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers) are reused by the next piece
+    if (tid == 0) TL(58);
+    u = Pr + pg_end;
+  }
+}
+
+}  // namespace mla_backend::wgmma

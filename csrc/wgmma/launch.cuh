@@ -1,0 +1,34 @@
+// The definition of launch_decode_wgmma (launch.h), for the instantiation files.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include "common/launch.h"
+#include "splitkv/combine.h"
+#include "wgmma/decode_kernel.cuh"
+#include "wgmma/launch.h"
+#include "wgmma/tensor_map.h"
+
+namespace mla_backend::wgmma {
+
+template <typename T, KeySource kSrc, bool kPaired, bool kPrefetch>
+void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine) {
+  auto kernel = decode_wgmma_kernel<T, kSrc, kPaired, kPrefetch>;
+  MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+  dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
+  TORCH_CHECK(!kPaired || grid.y == 2, "mla_decode: a paired launch needs exactly two row tiles");
+  CUtensorMap kv_map{}, q_map{};  // the producer sources copy keys without a tensor map
+  if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
+  if constexpr (kQTmaOf<kSrc>) q_map = make_q_map(p, kRows);
+  // bf16 sparse with two row tiles: the tiles of a query group run as a 2-CTA cluster
+  // although they share nothing, so the two CTAs that gather the same keys at about the same
+  // time sit in one GPC (H = 128 -2 to -5%)
+  const bool co_place = kSrc == KeySource::kSparse16 && grid.y == 2;
+  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired || co_place ? 2 : 1, p, kv_map,
+                       q_map);
+  if (combine) splitkv::launch_combine<T>(p, stream);
+}
+
+}  // namespace mla_backend::wgmma
