@@ -12,13 +12,6 @@ router choosing among experts flips its choice on bf16-level differences between
 (seen on the H200: one step's logprobs 0.37 apart while the attention outputs agreed to
 6e-4), which would turn a kernel comparison into a coin toss.
 
-`kv_scales=(k_scale, v_scale)` adds per-tensor fp8 KV-cache scales the way ModelOpt's
-DeepSeek checkpoints carry them (`self_attn.k_proj.k_scale`, `self_attn.v_proj.v_scale`, float32
-scalars, with a `quantization_config` that quantizes no weights: `ignore: ["*"]`). ModelOpt is
-the quantization method whose KV-cache scales vLLM 0.25 loads into MLA layers
-(`MLAAttention._k_scale`); with an fp8 cache vLLM writes the cache as e4m3(x / k_scale) and the
-decode kernel must multiply by k_scale. MLA has one latent cache, written with k_scale alone.
-
 `write_config` writes only `config.json` (for `load_format="dummy"`, e.g. DeepSeek-sized
 models in the end-to-end benchmark).
 """
@@ -80,24 +73,6 @@ def make_config(*, arch: str = "v3", heads: int = 16, layers: int = 2, hidden: i
     return cfg
 
 
-def kv_scale_quantization_config() -> dict:
-    """A ModelOpt FP8 `quantization_config` that quantizes no weights (every module ignored)
-    and declares a static fp8 KV cache, so vLLM loads the checkpoint's k/v scales."""
-    return {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["*"],
-            "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}}
-
-
-def kv_scale_tensors(cfg: dict, k_scale: float, v_scale: float) -> dict[str, torch.Tensor]:
-    """Per-layer fp8 KV-cache scales under ModelOpt's names (vLLM maps them to
-    `self_attn.mla_attn.mla_attn.{k,v}_scale`)."""
-    tensors = {}
-    for i in range(cfg["num_hidden_layers"]):
-        a = f"model.layers.{i}.self_attn."
-        tensors[a + "k_proj.k_scale"] = torch.tensor(float(k_scale), dtype=torch.float32)
-        tensors[a + "v_proj.v_scale"] = torch.tensor(float(v_scale), dtype=torch.float32)
-    return tensors
-
-
 def write_config(path: str, **kwargs) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -153,14 +128,11 @@ def _shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_checkpoint(path: str, *, seed: int = 0, attention_gain: float = 2.0,
-                     kv_scales: tuple[float, float] | None = None, **config_kwargs) -> str:
-    """Write config.json + model.safetensors (bf16) to `path`; return `path`. With
-    kv_scales = (k_scale, v_scale): the same weights plus fp8 KV-cache scales (see above)."""
+                     **config_kwargs) -> str:
+    """Write config.json + model.safetensors (bf16) to `path`; return `path`."""
     from safetensors.torch import save_file
 
     cfg = make_config(**config_kwargs)
-    if kv_scales is not None:
-        cfg["quantization_config"] = kv_scale_quantization_config()
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in _shapes(cfg).items():
@@ -176,8 +148,6 @@ def write_checkpoint(path: str, *, seed: int = 0, attention_gain: float = 2.0,
                 bound *= attention_gain
             t = (torch.rand(shape, generator=gen) * 2 - 1) * bound
         tensors[name] = t.to(torch.bfloat16).contiguous()
-    if kv_scales is not None:  # after the weights: the same seed gives the same weights
-        tensors.update(kv_scale_tensors(cfg, *kv_scales))
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -48,6 +48,9 @@ def test_options_are_checked(hooks):
         hooks.install({"perturb": "scale"})
     with pytest.raises(ValueError, match="round_cache_to"):
         hooks.install({"round_cache_to": "fp8"})
+    for bad in ([1.5], [1.5, 0], ["1.5", 2.5]):
+        with pytest.raises(ValueError, match="kv_scales must be"):
+            hooks.install({"kv_scales": bad})
 
 
 def test_no_option_patches_nothing(hooks):
@@ -143,3 +146,26 @@ def test_engine_run_without_preload_changes_nothing(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert engine_run._preload({}) == {}
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_kv_scales_set_after_loading(hooks, monkeypatch):
+    """Every MLA layer gets the given k/v scales after vLLM's own post-load step (which would
+    leave 1.0 where no scale was loaded): tensors for the cache writer and the kernels, floats
+    for the backends that read those."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    loaded = []
+    monkeypatch.setattr(MLAAttention, "process_weights_after_loading",
+                        lambda self, act_dtype: loaded.append(act_dtype))
+    hooks.install({"kv_scales": [1.5, 2.5]})
+
+    class Layer:
+        _k_scale, _v_scale = torch.ones(()), torch.ones(())
+        _k_scale_float = _v_scale_float = 1.0
+
+    layer = Layer()
+    MLAAttention.process_weights_after_loading(layer, torch.bfloat16)
+    assert loaded == [torch.bfloat16]
+    assert float(layer._k_scale) == 1.5 and float(layer._v_scale) == 2.5
+    assert (layer._k_scale_float, layer._v_scale_float) == (1.5, 2.5)
+    assert hooks.report()["scaled_layers"] == 1

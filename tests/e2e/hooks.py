@@ -18,6 +18,12 @@ OPTIONS (all optional):
                             counted as seq_len // 64 instead of rounding up;
     "rope_dropped"          (sparse) scores over the 512 latent dims only: q's 64 RoPE dims
                             are zeroed, as a kernel that skipped the RoPE tile would compute.
+  kv_scales: [K, V]    after vLLM's loading, every MLA layer's fp8 KV-cache scales are set to
+                       K and V (k_scale, v_scale; the cache writer and the decode read them),
+                       as a checkpoint's scales would set them. vLLM 0.25 does not load a
+                       DeepSeek checkpoint's ModelOpt scales into its MLA layers (its scale-name
+                       mapping is applied twice: "Found k_scale in the checkpoint ... not
+                       loaded"), so they are set here.
   round_cache_to: "fp8_ds_mla"
                        (a peer's run on a bf16 cache) every KV-cache write of a sparse MLA
                        backend stores kv_c rounded through vLLM's fp8_ds_mla format
@@ -38,12 +44,13 @@ from mla_backend.ops import dense, sparse
 
 PERTURBATIONS = ("partial_page_dropped", "rope_dropped")
 _seen: dict = {"options": {}, "calls_by_s_q": Counter(), "captured_by_s_q": Counter(),
-               "sparse_calls": 0, "perturbed_calls": 0, "rounded_cache_writes": 0}
+               "sparse_calls": 0, "perturbed_calls": 0, "rounded_cache_writes": 0,
+               "scaled_layers": 0}
 _kv_scales: dict[int, object] = {}  # id -> the tensor or float given as kv_scale
 
 
 def install(options: dict) -> None:
-    unknown = set(options) - {"count", "perturb", "round_cache_to"}
+    unknown = set(options) - {"count", "perturb", "round_cache_to", "kv_scales"}
     if unknown:
         raise ValueError(f"unknown hook options {sorted(unknown)}")
     perturb = options.get("perturb")
@@ -51,7 +58,13 @@ def install(options: dict) -> None:
         raise ValueError(f"perturb must be one of {PERTURBATIONS}; got {perturb!r}")
     if options.get("round_cache_to") not in (None, "fp8_ds_mla"):
         raise ValueError(f"round_cache_to must be fp8_ds_mla; got {options['round_cache_to']!r}")
+    kv_scales = options.get("kv_scales")
+    if kv_scales is not None and not (len(kv_scales) == 2 and all(
+            isinstance(x, (int, float)) and x > 0 for x in kv_scales)):
+        raise ValueError(f"kv_scales must be [k_scale, v_scale] > 0; got {kv_scales!r}")
     _seen["options"] = dict(options)
+    if kv_scales is not None:
+        _set_kv_scales_after_loading(float(kv_scales[0]), float(kv_scales[1]))
     if options.get("count") or perturb == "partial_page_dropped":
         ops.mla_decode = _mla_decode
     if options.get("count") or perturb == "rope_dropped":
@@ -71,6 +84,21 @@ def install(options: dict) -> None:
                             k_scale)
 
         SparseMLAAttentionImpl.do_kv_cache_update = do_kv_cache_update
+
+
+def _set_kv_scales_after_loading(k_scale: float, v_scale: float) -> None:
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    original = MLAAttention.process_weights_after_loading
+
+    def process_weights_after_loading(self, act_dtype):
+        original(self, act_dtype)
+        self._k_scale.fill_(k_scale)
+        self._v_scale.fill_(v_scale)
+        self._k_scale_float, self._v_scale_float = k_scale, v_scale
+        _seen["scaled_layers"] += 1
+
+    MLAAttention.process_weights_after_loading = process_weights_after_loading
 
 
 def round_through_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -126,4 +154,5 @@ def report() -> dict:
             "mla_decode_kv_scales": scales,
             "sparse_mla_decode_calls": _seen["sparse_calls"],
             "perturbed_calls": _seen["perturbed_calls"],
-            "rounded_cache_writes": _seen["rounded_cache_writes"]}
+            "rounded_cache_writes": _seen["rounded_cache_writes"],
+            "scaled_layers": _seen["scaled_layers"]}

@@ -83,21 +83,25 @@ def test_deepseek_v2_on_model_runner_v2(workdir):
 
 
 @pytest.mark.parametrize("heads", [16, 128])
-def test_fp8_kv_cache_with_checkpoint_scales(workdir, heads):
-    """Per-tensor fp8 cache with k_scale 1.5 from the checkpoint (a dropped, doubled or
-    misrouted scale moves every score and value). Our kernel reads bf16 q and the e4m3 cache;
-    FlashMLA's fp8 path also quantizes q. Both are measured against FlashMLA on a bf16 cache
-    (the same weights without scales). H = 16 runs our mma.sync kernel, H = 128 the wgmma
-    kernel's converting producer. The hooks record the kv_scale of every ops.mla_decode call
-    (in FULL-graph mode: the eager steps and the captures)."""
-    scaled = model(workdir, "v3", heads, kv_scales=KV_SCALES)
+def test_fp8_kv_cache_with_kv_scales(workdir, heads):
+    """Per-tensor fp8 cache with k_scale 1.5 (a dropped, doubled or misrouted scale moves every
+    score and value). The scales are set on vLLM's MLA layers after loading (tests/e2e/hooks:
+    vLLM 0.25 does not load a DeepSeek checkpoint's KV scales into MLA layers), for both
+    engines, so vLLM's cache writer quantizes with them. Our kernel reads bf16 q and the e4m3
+    cache; FlashMLA's fp8 path also quantizes q. Both are measured against FlashMLA on a bf16
+    cache. H = 16 runs our mma.sync kernel, H = 128 the wgmma kernel's converting producer.
+    The hooks record the kv_scale of every ops.mla_decode call (in FULL-graph mode: the eager
+    steps and the captures)."""
+    plain = model(workdir, "v3", heads)
     fm_bf16, tol = _tolerance(workdir, heads)
-    fm8 = run(workdir, f"v3-h{heads}-kvscales-FLASHMLA-graphs-fp8", model=scaled,
-              backend="FLASHMLA", kv_cache_dtype="fp8")
-    ours8 = run(workdir, f"v3-h{heads}-kvscales-CUSTOM-graphs-fp8", model=scaled,
-                backend="CUSTOM", kv_cache_dtype="fp8", hooks={"count": True})
+    fm8 = run(workdir, f"v3-h{heads}-FLASHMLA-graphs-fp8-kvscales", model=plain,
+              backend="FLASHMLA", kv_cache_dtype="fp8", hooks={"kv_scales": KV_SCALES})
+    ours8 = run(workdir, f"v3-h{heads}-CUSTOM-graphs-fp8-kvscales", model=plain,
+                backend="CUSTOM", kv_cache_dtype="fp8",
+                hooks={"count": True, "kv_scales": KV_SCALES})
     _assert_ours(ours8)
     seen = ours8["hooks"]
+    assert fm8["hooks"]["scaled_layers"] > 0 and seen["scaled_layers"] > 0, (fm8["hooks"], seen)
     calls = sum(seen["mla_decode_calls_by_s_q"].values()) + sum(
         seen["mla_decode_captured_by_s_q"].values())
     assert calls > 0, seen
