@@ -309,8 +309,8 @@ def test_prefill_flat_and_paged(fmt, heads):
         assert got.shape == (tokens, heads, 512) and got_lse.shape == (tokens, heads)
         what = f"sparse_mla_prefill {name} {fmt} H {heads}"
         assert_attention_close(got, got_lse, want, want_lse, SPARSE_OUT_TOL, what, keys=keys)
-        assert_rows_close(got, exact, SPARSE_OUT_TOL, f"{what}: out vs the float32 "
-                          "dequantization", keys)
+        assert_rows_close(got, exact, SPARSE_OUT_TOL + KEY_ROUNDING_TOL,
+                          f"{what}: out vs the float32 dequantization", keys)
 
 
 @pytest.mark.parametrize("heads", [32, 64, 128])
