@@ -176,7 +176,7 @@ def decode_schedule(metadata: torch.Tensor, num_ctas: int) -> list[list[tuple[in
     """The pieces each CTA computes under a plan: per CTA a list of
     (request, first_unit, end_unit, slot), slot = -1 when the request lies wholly inside
     the CTA (written straight to the output), else its partial slot (0: the CTA's first
-    request, 1: its last). Mirrors csrc/dense_decode.cu for the planner tests."""
+    request, 1: its last). Mirrors csrc/splitkv/planner.cu for the planner tests."""
     meta = [int(x) for x in metadata.tolist()]
     prefix, per_cta = meta[:-1], meta[-1]
     batch, total = len(prefix) - 1, prefix[-1]
