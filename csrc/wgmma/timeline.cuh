@@ -1,6 +1,7 @@
-// Diagnostic builds only (-DMLA_TIMELINE, read by scripts/timeline_sparse.py): TL(slot)
-// stores a %globaltimer stamp per CTA into part_out (unused by plans that split no request),
-// 64 slots of u64 per CTA. Needs `p` (the DecodeParams) in scope. Other builds: nothing.
+// Diagnostic builds only (MLA_BACKEND_NVCC_FLAGS=-DMLA_TIMELINE): TL(slot) stores a
+// %globaltimer stamp per CTA into part_out (unused by plans that split no request), 64 slots
+// of u64 per CTA, to be read from the plan's partial buffer after a call. Needs `p` (the
+// DecodeParams) in scope. Other builds: nothing.
 #pragma once
 
 #include "common/ptx.cuh"
