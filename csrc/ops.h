@@ -11,7 +11,8 @@ namespace mla_backend {
 void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_ctas, int64_t min_units,
                  int64_t unit_tokens);
 
-void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+void mla_decode(const at::Tensor& q, const std::optional<at::Tensor>& q_pe, const at::Tensor& kv_cache,
+                const at::Tensor& block_table,
                 const at::Tensor& seq_lens, const at::Tensor& metadata, at::Tensor& partial_out,
                 at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse, int64_t num_ctas,
                 int64_t rows_per_cta, double softmax_scale, bool causal,

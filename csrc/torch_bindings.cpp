@@ -9,7 +9,7 @@ TORCH_LIBRARY(mla_backend, m) {
       "plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, int min_units, int unit_tokens) "
       "-> ()");
   m.def(
-      "mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor metadata, "
+      "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor metadata, "
       "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, "
       "int num_ctas, int rows_per_cta, float softmax_scale, bool causal, Tensor? kv_scale, "
       "float kv_scale_value) -> ()");

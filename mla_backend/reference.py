@@ -68,10 +68,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                causal: bool = True, kv_scale: torch.Tensor | float | None = None,
                out: torch.Tensor | None = None, *,
                compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense paged decode. q [B, s_q, H, 576]; kv_cache [num_blocks, 64, 576];
-    block_table [B, max_blocks]; seq_lens [B]. Returns out [B, s_q, H, 512] and
-    lse [B, s_q, H] in compute_dtype (out is copied into `out` when given)."""
+    """Dense paged decode. q [B, s_q, H, 576] or (q_nope [..., 512], q_pe [..., 64]);
+    kv_cache [num_blocks, 64, 576]; block_table [B, max_blocks]; seq_lens [B]. Returns out
+    [B, s_q, H, 512] and lse [B, s_q, H] in compute_dtype (out is copied into `out` when
+    given)."""
     del plan
+    if isinstance(q, (tuple, list)):
+        q = torch.cat(q, dim=-1)
     B, s_q, H, _ = q.shape
     page = kv_cache.shape[1]
     seq_lens = seq_lens.to(torch.int64)

@@ -39,13 +39,20 @@ void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_c
                           int(num_ctas), int(min_units), int(unit_tokens), at::cuda::getCurrentCUDAStream());
 }
 
-void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+void mla_decode(const at::Tensor& q, const std::optional<at::Tensor>& q_pe, const at::Tensor& kv_cache, const at::Tensor& block_table,
                 const at::Tensor& seq_lens, const at::Tensor& metadata, at::Tensor& partial_out,
                 at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse, int64_t num_ctas,
                 int64_t rows_per_cta, double softmax_scale, bool causal,
                 const std::optional<at::Tensor>& kv_scale, double kv_scale_value) {
   // mla_backend.ops validates shapes and dtypes; re-check what memory safety needs.
-  TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1, "mla_decode: bad q");
+  // q: whole rows [B, s_q, H, 576], or their latent part [B, s_q, H, 512] with q_pe the rope part
+  TORCH_CHECK(q.dim() == 4 && q.size(3) == (q_pe.has_value() ? kDv : kDqk) && q.stride(3) == 1,
+              "mla_decode: bad q");
+  TORCH_CHECK(!q_pe.has_value() || (q_pe->dim() == 4 && q_pe->size(0) == q.size(0) && q_pe->size(1) == q.size(1) &&
+                                    q_pe->size(2) == q.size(2) && q_pe->size(3) == kDqk - kDv &&
+                                    q_pe->stride(3) == 1 && q_pe->scalar_type() == q.scalar_type() &&
+                                    q_pe->device() == q.device()),
+              "mla_decode: bad q_pe");
   const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == kPage && kv_cache.size(2) == kDqk &&
                   kv_cache.stride(2) == 1 && (fp8 || kv_cache.scalar_type() == q.scalar_type()),
@@ -62,6 +69,10 @@ void mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tenso
   const c10::cuda::CUDAGuard guard(q.device());
   DecodeParams p =
       splitkv::decode_params(q, kv_cache, metadata, partial_out, partial_lse, out, lse, num_ctas, softmax_scale);
+  if (q_pe.has_value()) {
+    p.q_pe = q_pe->data_ptr();
+    p.qpe_stride_b = q_pe->stride(0); p.qpe_stride_s = q_pe->stride(1); p.qpe_stride_h = q_pe->stride(2);
+  }
   p.kv_stride_block = kv_cache.stride(0); p.kv_stride_tok = kv_cache.stride(1);
   p.num_blocks = kv_cache.size(0);
   p.block_table = block_table.data_ptr<int>();

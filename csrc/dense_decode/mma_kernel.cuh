@@ -134,13 +134,14 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
     };
     const int n_valid = min(kUnit, __ldg(p.seq_lens + r_load) - tok0);
     const int blk_idx = tok0 / kPage;
-    const bool blk_ok = blk_idx < p.max_blocks;
-    const int blk = blk_ok ? __ldg(p.block_table + r_load * p.bt_stride + blk_idx) : 0;
+    const int blk = blk_idx < p.max_blocks ? __ldg(p.block_table + r_load * p.bt_stride + blk_idx) : -1;
+    // a block id outside the cache (a bad table entry) reads as zero keys, never out of bounds
+    const bool blk_ok = blk >= 0 && blk < p.num_blocks;
     const unsigned char* base =
         kv + (int64_t(blk) * p.kv_stride_block + int64_t(tok0 % kPage) * p.kv_stride_tok) * kElemBytes;
     for (int i = tid; i < kUnit * kRowChunks; i += Cfg::kThreads) {
       const int t = i / kRowChunks, ch = i % kRowChunks;
-      const bool ok = blk_ok && t < n_valid;  // zero-filled otherwise (never read)
+      const bool ok = blk_ok && t < n_valid;  // zero-filled otherwise (past n_valid: never read)
       const unsigned char* src = ok ? base + int64_t(t) * p.kv_stride_tok * kElemBytes + ch * 16 : kv;
       cp_async_16(cute::cast_smem_ptr_to_uint(dst + dst_off(t, ch)), src, ok ? 16 : 0);
     }
@@ -148,6 +149,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
 
   // ---- Q tile of request r into shared memory (plain loads; rows past `rows` are zero)
   const T* qbase = static_cast<const T*>(p.q);
+  const T* qpe_base = static_cast<const T*>(p.q_pe);
   auto load_q = [&](int r) {
     for (int i = tid; i < kRows * kChunksPerRow; i += Cfg::kThreads) {
       const int m = i / kChunksPerRow, ch = i % kChunksPerRow;
@@ -155,9 +157,11 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
       uint4 v = make_uint4(0, 0, 0, 0);
       if (row < p.rows) {
         const int qi = row / p.heads, h = row % p.heads;
-        const int64_t q_off = int64_t(r / p.group_s_q) * p.q_stride_b + int64_t(r % p.group_s_q + qi) * p.q_stride_s +
-                              int64_t(h) * p.q_stride_h;
-        v = __ldg(reinterpret_cast<const uint4*>(qbase + q_off) + ch);
+        const int64_t b = r / p.group_s_q, s = r % p.group_s_q + qi;
+        const T* src = ch < kDv / 8 ? qbase + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8
+                                    : qpe_base + b * p.qpe_stride_b + s * p.qpe_stride_s + h * p.qpe_stride_h +
+                                          (ch - kDv / 8) * 8;
+        v = __ldg(reinterpret_cast<const uint4*>(src));
       }
       *reinterpret_cast<uint4*>(sQ + m * kSmemRow + ch * 8) = v;
     }

@@ -15,6 +15,8 @@ inline DecodeParams decode_params(const at::Tensor& q, const at::Tensor& kv_cach
   DecodeParams p;
   p.q = q.data_ptr();
   p.q_stride_b = q.stride(0); p.q_stride_s = q.stride(1); p.q_stride_h = q.stride(2);
+  p.q_pe = static_cast<const char*>(q.data_ptr()) + 512 * q.element_size();
+  p.qpe_stride_b = p.q_stride_b; p.qpe_stride_s = p.q_stride_s; p.qpe_stride_h = p.q_stride_h;
   p.kv = kv_cache.data_ptr();
   p.meta = metadata.data_ptr<int>();
   p.part_out = partial_out.data_ptr<float>();

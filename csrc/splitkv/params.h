@@ -17,8 +17,10 @@ constexpr int kUnitMma = 32;
 constexpr int kUnitWgmma = 64;
 
 struct DecodeParams {
-  const void* q;
+  const void* q;  // query rows: columns 0..511 (the latent part) at q, ...
   int64_t q_stride_b, q_stride_s, q_stride_h;
+  const void* q_pe;  // ... columns 512..575 (the rope part) at q_pe: q + 512, or a tensor apart
+  int64_t qpe_stride_b, qpe_stride_s, qpe_stride_h;
   const void* kv;
   int64_t kv_stride_block, kv_stride_tok;
   int64_t num_blocks;

@@ -244,8 +244,10 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       if (row < p.rows) {
         const int qi = row / p.heads, h = row % p.heads;
         // dense: request r = batch entry; sparse: group r = (b, s), qi = 0
-        src += int64_t(r / p.group_s_q) * p.q_stride_b + int64_t(r % p.group_s_q + qi) * p.q_stride_s +
-               int64_t(h) * p.q_stride_h + c * 8;
+        const int64_t b = r / p.group_s_q, s = r % p.group_s_q + qi;
+        src = c < kDv / 8 ? qbase + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + c * 8
+                          : static_cast<const T*>(p.q_pe) + b * p.qpe_stride_b + s * p.qpe_stride_s +
+                                h * p.qpe_stride_h + (c - kDv / 8) * 8;
       }
       cp_async_16(base + sw128_offset(m, c * 8), src, row < p.rows ? 16 : 0);
     }

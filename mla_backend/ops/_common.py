@@ -28,6 +28,32 @@ def _require(cond: bool, name: str, t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{name} {what}; got {_describe(t)}")
 
 
+def _query_parts(q: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A query as the kernels take it: one tensor of whole rows [..., 576], or the pair
+    (q_nope [..., 512], q_pe [..., 64]) read through their own strides, with no copy."""
+    if not isinstance(q, (tuple, list)):
+        return _require_tensor("q", q), None
+    if len(q) != 2:
+        raise TypeError(f"q must be a tensor or a pair (q_nope, q_pe); got {len(q)} items")
+    nope, pe = _require_tensor("q_nope (q[0])", q[0]), _require_tensor("q_pe (q[1])", q[1])
+    _require(nope.dim() >= 1 and nope.shape[-1] == D_V, "q_nope (q[0])", nope,
+             f"must have a last dim of {D_V}")
+    _require(pe.shape[:-1] == nope.shape[:-1] and pe.shape[-1] == D_QK - D_V, "q_pe (q[1])", pe,
+             f"must be q_nope's shape {tuple(nope.shape[:-1])} with a last dim of {D_QK - D_V}")
+    if pe.dtype != nope.dtype:
+        raise TypeError(f"q_pe (q[1]) must have q_nope's dtype {nope.dtype}; got {_describe(pe)}")
+    if pe.device != nope.device:
+        raise ValueError(f"q_pe (q[1]) is on {pe.device} but q_nope is on {nope.device}")
+    return nope, pe
+
+
+def _require_aligned_rows(name: str, t: torch.Tensor) -> None:
+    """16-byte loads of every row: a contiguous last dim, 16-byte aligned start and strides."""
+    _require(t.stride(-1) == 1 and all(t.stride(i) % 8 == 0 for i in range(t.dim() - 1))
+             and t.data_ptr() % 16 == 0, name, t,
+             "must be 16-byte aligned with a contiguous last dim and 16-byte aligned strides")
+
+
 def _require_cuda(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
     for name, t in tensors.items():
         if t.device.type != "cuda":

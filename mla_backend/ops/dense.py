@@ -20,7 +20,9 @@ from ._common import (
     _describe,
     _num_sms,
     _out_and_lse,
+    _query_parts,
     _require,
+    _require_aligned_rows,
     _require_cuda,
     _require_hopper,
     _require_tensor,
@@ -230,20 +232,23 @@ def _check_kv_scale(kv_scale) -> None:
 
 def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out,
                        lse=None):
-    q = _require_tensor("q", q)
+    q, q_pe = _query_parts(q)
     kv_cache = _require_tensor("kv_cache", kv_cache)
     block_table = _require_tensor("block_table", block_table)
     seq_lens = _require_tensor("seq_lens", seq_lens)
-    _require(q.dim() == 4 and q.shape[3] == D_QK, "q", q, f"must be [batch, s_q, heads, {D_QK}]")
+    qname = "q" if q_pe is None else "q_nope (q[0])"
+    width = D_QK if q_pe is None else D_V
+    _require(q.dim() == 4 and q.shape[3] == width, qname, q,
+             f"must be [batch, s_q, heads, {width}]")
     if q.dtype not in _QUERY_DTYPES:
-        raise TypeError(f"q must be bfloat16 or float16; got {_describe(q)}")
+        raise TypeError(f"{qname} must be bfloat16 or float16; got {_describe(q)}")
     batch, s_q, heads, _ = q.shape
-    _require(1 <= s_q <= MAX_Q_TOKENS_PER_REQ, "q", q,
+    _require(1 <= s_q <= MAX_Q_TOKENS_PER_REQ, qname, q,
              f"must have s_q (dim 1) in [1, {MAX_Q_TOKENS_PER_REQ}]")
-    _require(1 <= heads <= MAX_HEADS, "q", q, f"must have heads (dim 2) in [1, {MAX_HEADS}]")
-    _require(q.stride(3) == 1 and all(q.stride(i) % 8 == 0 for i in range(3))
-             and q.data_ptr() % 16 == 0, "q", q,
-             "must be 16-byte aligned with a contiguous last dim and 16-byte aligned strides")
+    _require(1 <= heads <= MAX_HEADS, qname, q, f"must have heads (dim 2) in [1, {MAX_HEADS}]")
+    _require_aligned_rows(qname, q)
+    if q_pe is not None:
+        _require_aligned_rows("q_pe (q[1])", q_pe)
     _require(kv_cache.dim() == 3 and kv_cache.shape[1:] == (PAGE_SIZE, D_QK), "kv_cache",
              kv_cache, f"must be [num_blocks, {PAGE_SIZE}, {D_QK}]")
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
@@ -283,8 +288,10 @@ def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, 
                  f"must be contiguous {q.dtype} [{batch}, {s_q}, {heads}, {D_V}]")
     if lse is not None:
         lse = _check_lse(lse, (batch, s_q, heads))
-    tensors = {"q": q, "kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens,
+    tensors = {qname: q, "kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens,
                "plan.metadata": plan.metadata}
+    if q_pe is not None:
+        tensors["q_pe (q[1])"] = q_pe
     if isinstance(kv_scale, torch.Tensor):
         tensors["kv_scale"] = kv_scale
     if out is not None:
@@ -294,14 +301,17 @@ def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, 
     _require_cuda(tensors, q.device)
 
 
-def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, plan: DecodePlan, softmax_scale: float,
+def mla_decode(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+               block_table: torch.Tensor, seq_lens: torch.Tensor, plan: DecodePlan,
+               softmax_scale: float,
                causal: bool = True, kv_scale: torch.Tensor | float | None = None,
                out: torch.Tensor | None = None,
                lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense paged MLA decode.
 
-    q [B, s_q, H, 576] bf16/fp16; kv_cache [num_blocks, 64, 576] of q's dtype, or
+    q [B, s_q, H, 576] bf16/fp16, or the pair (q_nope [B, s_q, H, 512], q_pe [B, s_q, H, 64])
+    read through their own strides (vLLM's absorbed query comes in two parts: no copy to
+    join them); kv_cache [num_blocks, 64, 576] of q's dtype, or
     float8_e4m3fn with kv_scale (float, or a 1-element float32 CUDA tensor read on the GPU:
     value = fp8 * kv_scale; the plan must come from plan_decode(..., kv_cache_dtype=
     torch.float8_e4m3fn)); a strided cache view is fine (blocks are indexed by stride(0));
@@ -314,11 +324,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     """
     _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, kv_scale, out,
                        lse)
+    q, q_pe = _query_parts(q)
     _extension.require("mla_decode")
     _require_hopper("mla_decode", q.device)
     out, lse = _out_and_lse(q, out, lse)
     torch.ops.mla_backend.mla_decode(
-        q, kv_cache, block_table, seq_lens, plan.metadata, plan.partial_out, plan.partial_lse,
+        q, q_pe, kv_cache, block_table, seq_lens, plan.metadata, plan.partial_out, plan.partial_lse,
         out, lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(causal),
         kv_scale if isinstance(kv_scale, torch.Tensor) else None,
         float(kv_scale) if kv_scale is not None and not isinstance(kv_scale, torch.Tensor)

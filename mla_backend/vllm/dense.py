@@ -132,11 +132,13 @@ class MLADenseImpl(MLACommonImpl[MLADenseMetadata]):
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         decode = attn_metadata.decode
         plan = decode.plan
-        if isinstance(q, tuple):  # (ql_nope [T, H, 512], q_pe [T, H, 64]), strided views
-            q = torch.cat(q, dim=-1)
-        tokens, heads, dim = q.shape
-        q = q.view(plan.batch, plan.q_tokens_per_req, heads, dim)
-        out, lse = ops.mla_decode(q, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens,
-                                  plan, self.scale, causal=True,
+        # (ql_nope [T, H, 512], q_pe [T, H, 64]) strided views, read as they are; or, with
+        # DCP (vLLM joins them for the all-gather), one [T, H, 576] tensor
+        parts = q if isinstance(q, tuple) else (q,)
+        tokens, heads = parts[0].shape[:2]
+        q = tuple(t.view(plan.batch, plan.q_tokens_per_req, heads, t.shape[-1]) for t in parts)
+        out, lse = ops.mla_decode(q if len(q) == 2 else q[0], kv_c_and_k_pe_cache,
+                                  decode.block_table, decode.seq_lens, plan, self.scale,
+                                  causal=True,
                                   kv_scale=layer._k_scale if self.kv_fp8 else None)
         return out.view(tokens, heads, ops.D_V), lse.view(tokens, heads)

@@ -28,6 +28,13 @@ CASES = [
     ("q", lambda a: a["q"].transpose(2, 3).contiguous().transpose(2, 3), ValueError, "contiguous last dim"),
     ("q", lambda a: "not a tensor", TypeError, "q must be a torch.Tensor; got str"),
     ("q", lambda a: torch.randn(2 * 16 * 576 + 4).bfloat16()[4:].view(2, 1, 16, 576), ValueError, "q must be 16-byte aligned"),
+    ("q", lambda a: (a["q"][..., :512], a["q"][..., 512:], a["q"]), TypeError, r"a pair \(q_nope, q_pe\); got 3 items"),
+    ("q", lambda a: (a["q"], a["q"][..., 512:]), ValueError, r"q_nope \(q\[0\]\) must have a last dim of 512; got shape \(2, 1, 16, 576\)"),
+    ("q", lambda a: (a["q"][..., :512], a["q"][:1, ..., 512:]), ValueError, r"q_pe \(q\[1\]\) must be q_nope's shape \(2, 1, 16\) with a last dim of 64; got shape \(1, 1, 16, 64\)"),
+    ("q", lambda a: (a["q"][..., :512], a["q"][..., 512:].half()), TypeError, r"q_pe \(q\[1\]\) must have q_nope's dtype torch.bfloat16; got .*float16"),
+    ("q", lambda a: (a["q"][..., :512], a["q"][..., 508:572]), ValueError, r"q_pe \(q\[1\]\) must be 16-byte aligned"),
+    ("q", lambda a: (a["q"][..., :512].float(), a["q"][..., 512:].float()), TypeError, r"q_nope \(q\[0\]\) must be bfloat16 or float16"),
+    ("q", lambda a: (a["q"][..., :512], "pe"), TypeError, r"q_pe \(q\[1\]\) must be a torch.Tensor; got str"),
     ("kv_cache", lambda a: torch.randn(4, 32, 576).bfloat16(), ValueError, r"kv_cache must be \[num_blocks, 64, 576\]; got shape \(4, 32, 576\)"),
     ("kv_cache", lambda a: a["kv_cache"].half(), TypeError, r"kv_cache must have q's dtype torch.bfloat16 or be float8_e4m3fn; got .*float16"),
     ("kv_cache", lambda a: a["kv_cache"].to(torch.float8_e4m3fn), ValueError, "kv_scale is required with a float8_e4m3fn kv_cache"),
@@ -47,6 +54,16 @@ def test_mla_decode_rejects(name, make, exc, msg):
     args = _args()
     args[name] = make(args)
     with pytest.raises(exc, match=msg):
+        ops.mla_decode(**args)
+
+
+def test_query_in_two_parts_reaches_the_device_check():
+    """A valid (q_nope, q_pe) pair, strided as vLLM hands it, passes every shape check."""
+    args = _args()
+    q = args["q"]
+    nope = q[..., :512].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # heads outermost
+    args["q"] = (nope, q[..., 512:])
+    with pytest.raises(ValueError, match="q_nope \\(q\\[0\\]\\) must be on a CUDA device"):
         ops.mla_decode(**args)
 
 
