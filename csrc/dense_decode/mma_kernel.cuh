@@ -136,7 +136,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int blk_idx = tok0 / kPage;
     const int blk = blk_idx < p.max_blocks ? __ldg(p.block_table + r_load * p.bt_stride + blk_idx) : -1;
     // a block id outside the cache (a bad table entry) reads as zero keys, never out of bounds
-    const bool blk_ok = blk >= 0 && blk < p.num_blocks;
+    const bool blk_ok = unsigned(blk) < unsigned(p.num_blocks);  // -1 (past the table) too
     const unsigned char* base =
         kv + (int64_t(blk) * p.kv_stride_block + int64_t(tok0 % kPage) * p.kv_stride_tok) * kElemBytes;
     for (int i = tid; i < kUnit * kRowChunks; i += Cfg::kThreads) {
@@ -147,24 +147,27 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
   };
 
-  // ---- Q tile of request r into shared memory (plain loads; rows past `rows` are zero)
-  const T* qbase = static_cast<const T*>(p.q);
-  const T* qpe_base = static_cast<const T*>(p.q_pe);
-  auto load_q = [&](int r) {
-    for (int i = tid; i < kRows * kChunksPerRow; i += Cfg::kThreads) {
-      const int m = i / kChunksPerRow, ch = i % kChunksPerRow;
+  // ---- Q tile of request r into shared memory (plain loads; rows past `rows` are zero). The
+  // latent and the rope columns are separate loops: their sources may be separate tensors,
+  // and 64 and 8 chunks per row keep the index math to shifts.
+  auto load_q_part = [&](int r, const T* src0, int64_t sb, int64_t ss, int64_t sh, auto chunks, int col0) {
+    constexpr int kC = decltype(chunks)::value;
+    for (int i = tid; i < kRows * kC; i += Cfg::kThreads) {
+      const int m = i / kC, ch = i % kC;
       const int row = row0 + m;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (row < p.rows) {
         const int qi = row / p.heads, h = row % p.heads;
-        const int64_t b = r / p.group_s_q, s = r % p.group_s_q + qi;
-        const T* src = ch < kDv / 8 ? qbase + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8
-                                    : qpe_base + b * p.qpe_stride_b + s * p.qpe_stride_s + h * p.qpe_stride_h +
-                                          (ch - kDv / 8) * 8;
-        v = __ldg(reinterpret_cast<const uint4*>(src));
+        const int64_t off = int64_t(r / p.group_s_q) * sb + int64_t(r % p.group_s_q + qi) * ss + int64_t(h) * sh;
+        v = __ldg(reinterpret_cast<const uint4*>(src0 + off) + ch);
       }
-      *reinterpret_cast<uint4*>(sQ + m * kSmemRow + ch * 8) = v;
+      *reinterpret_cast<uint4*>(sQ + m * kSmemRow + col0 + ch * 8) = v;
     }
+  };
+  auto load_q = [&](int r) {
+    load_q_part(r, static_cast<const T*>(p.q), p.q_stride_b, p.q_stride_s, p.q_stride_h, cute::Int<kDv / 8>{}, 0);
+    load_q_part(r, static_cast<const T*>(p.q_pe), p.qpe_stride_b, p.qpe_stride_s, p.qpe_stride_h,
+                cute::Int<(kDqk - kDv) / 8>{}, kDv);
   };
 
   // prologue: STAGES-1 units in flight

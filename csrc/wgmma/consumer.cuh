@@ -236,21 +236,26 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       consumers_sync();
     } else {
     // Q tile -> smem (cp.async: every copy in flight at once, rows past `rows` zero-filled;
-    // plain loads stalled each store on its load), the running max reset
-    for (int i = tid; i < kRows * kChunksPerRow; i += kConsumerThreads) {
-      const int m = i / kChunksPerRow, c = i % kChunksPerRow;
-      const int row = row0 + m;
-      const T* src = qbase;
-      if (row < p.rows) {
-        const int qi = row / p.heads, h = row % p.heads;
-        // dense: request r = batch entry; sparse: group r = (b, s), qi = 0
-        const int64_t b = r / p.group_s_q, s = r % p.group_s_q + qi;
-        src = c < kDv / 8 ? qbase + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + c * 8
-                          : static_cast<const T*>(p.q_pe) + b * p.qpe_stride_b + s * p.qpe_stride_s +
-                                h * p.qpe_stride_h + (c - kDv / 8) * 8;
+    // plain loads stalled each store on its load), the running max reset. The latent and the
+    // rope columns are copied by separate loops: their sources may be separate tensors, and
+    // 64 and 8 chunks per row keep the index math to shifts.
+    auto copy_q = [&](const T* src0, int64_t sb, int64_t ss, int64_t sh, auto chunks, int col0) {
+      constexpr int kC = decltype(chunks)::value;
+      for (int i = tid; i < kRows * kC; i += kConsumerThreads) {
+        const int m = i / kC, c = i % kC;
+        const int row = row0 + m;
+        const T* src = src0;
+        if (row < p.rows) {
+          const int qi = row / p.heads, h = row % p.heads;
+          // dense: request r = batch entry; sparse: group r = (b, s), qi = 0
+          src += int64_t(r / p.group_s_q) * sb + int64_t(r % p.group_s_q + qi) * ss + int64_t(h) * sh + c * 8;
+        }
+        cp_async_16(base + sw128_offset(m, col0 + c * 8), src, row < p.rows ? 16 : 0);
       }
-      cp_async_16(base + sw128_offset(m, c * 8), src, row < p.rows ? 16 : 0);
-    }
+    };
+    copy_q(qbase, p.q_stride_b, p.q_stride_s, p.q_stride_h, cute::Int<kDv / 8>{}, 0);
+    copy_q(static_cast<const T*>(p.q_pe), p.qpe_stride_b, p.qpe_stride_s, p.qpe_stride_h,
+           cute::Int<(kDqk - kDv) / 8>{}, kDv);
     cute::cp_async_fence();
     if (tid < kRows) sM[tid] = kNoMax;
     cp_async_wait<0>();

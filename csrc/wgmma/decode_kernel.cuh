@@ -213,7 +213,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         };
         auto slot_from = [&](int entry) {
           if constexpr (kSparse) return entry >= 0 && entry < p.num_slots ? entry : -1;
-          else return entry >= 0 && entry < p.num_blocks ? entry * kPage + prod.tk : -1;  // bad id: masked
+          // a block id outside the cache (negative: unsigned, so past the end) is masked
+          else return unsigned(entry) < unsigned(p.num_blocks) ? entry * kPage + prod.tk : -1;
         };
         // bf16 sparse over a cache larger than L2 (kPrefetch: the decode batches): the second
         // pair's entries are loaded with the first's (loaded in the first pair's iteration,
