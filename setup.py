@@ -18,6 +18,9 @@ import sys
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# The oldest torch the extension loads under, as torch's stable-ABI version number
+# (major << 56 | minor << 48): 2.11.
+TORCH_TARGET_VERSION = (2 << 56) | (11 << 48)
 
 
 def _record(status: str, sources: str | None = None) -> None:
@@ -71,6 +74,9 @@ def _cuda_extension_kwargs() -> dict:
                      "`python -m pip install --no-build-isolation .` with torch installed")
     if torch.version.cuda is None:
         return _skip(f"torch {torch.__version__} is a CPU-only build")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11):
+        return _skip(f"torch {torch.__version__} is older than 2.11, the oldest torch whose "
+                     "stable ABI the extension is written for")
     nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
     if not nvcc or not os.path.exists(nvcc):
         return _skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
@@ -93,14 +99,22 @@ def _cuda_extension_kwargs() -> dict:
     if os.environ.get("MLA_BACKEND_PTXAS_VERBOSE") == "1":
         nvcc_flags.append("-Xptxas=-v")
     nvcc_flags += os.environ.get("MLA_BACKEND_NVCC_FLAGS", "").split()
+    # torch's stable ABI: the oldest torch the build must load under (any newer one loads it
+    # too); with it defined, torch's unstable headers (ATen, c10, torch/library.h) refuse to
+    # compile. USE_CUDA declares the CUDA part of the C shim (the current stream).
+    abi = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION:#018x}", "-DUSE_CUDA",
+           "-DPy_LIMITED_API=0x030A0000"]
     ext = CUDAExtension(
         name="mla_backend._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc"), cutlass],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x030A0000"],
-                            "nvcc": nvcc_flags + ["-DPy_LIMITED_API=0x030A0000"]},
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + abi, "nvcc": nvcc_flags + abi},
         py_limited_api=True,
     )
+    # Link only the libraries that export the C shim and the CUDA runtime: CUDAExtension also
+    # names libc10 / libtorch / libc10_cuda, and libc10 would then provide the std::
+    # stringstream constructors the headers' error messages use.
+    ext.libraries = ["torch_cpu", "torch_cuda", "cudart"]
     print(f"mla_backend: building CUDA extension for sm_90a with nvcc {nvcc}, "
           f"CUTLASS headers {cutlass}, MAX_JOBS={os.environ['MAX_JOBS']}", file=sys.stderr)
     _record(f"built for sm_90a against torch {torch.__version__}", _sources_sha256())

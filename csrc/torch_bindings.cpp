@@ -1,10 +1,12 @@
-// Registers every kernel as torch.ops.mla_backend.*. No pybind11: the module is built
-// with the limited Python API (_C.abi3.so) and loaded with torch.ops.load_library.
-#include <torch/library.h>
+// Registers every kernel as torch.ops.mla_backend.* through torch's stable ABI (the C shim),
+// so one build loads under every torch from TORCH_TARGET_VERSION (setup.py) on. No pybind11:
+// the module is built with the limited Python API (_C.abi3.so) and loaded with
+// torch.ops.load_library.
+#include <torch/csrc/stable/library.h>
 
 #include "ops.h"
 
-TORCH_LIBRARY(mla_backend, m) {
+STABLE_TORCH_LIBRARY(mla_backend, m) {
   m.def(
       "plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, int min_units, int unit_tokens) "
       "-> ()");
@@ -22,9 +24,9 @@ TORCH_LIBRARY(mla_backend, m) {
       "int rows_per_cta, float softmax_scale, bool combine, int uniform_units, int units_per_cta) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(mla_backend, CUDA, m) {
-  m.impl("plan_decode", &mla_backend::plan_decode);
-  m.impl("mla_decode", &mla_backend::mla_decode);
-  m.impl("plan_sparse_decode", &mla_backend::plan_sparse_decode);
-  m.impl("sparse_mla_decode", &mla_backend::sparse_mla_decode);
+STABLE_TORCH_LIBRARY_IMPL(mla_backend, CUDA, m) {
+  m.impl("plan_decode", TORCH_BOX(&mla_backend::plan_decode));
+  m.impl("mla_decode", TORCH_BOX(&mla_backend::mla_decode));
+  m.impl("plan_sparse_decode", TORCH_BOX(&mla_backend::plan_sparse_decode));
+  m.impl("sparse_mla_decode", TORCH_BOX(&mla_backend::sparse_mla_decode));
 }

@@ -1,7 +1,8 @@
 """Locating and loading the compiled extension (mla_backend/_C*.so).
 
 The extension is a limited-API module with no PyInit function, so it is loaded with
-torch.ops.load_library, which registers torch.ops.mla_backend.*.
+torch.ops.load_library, which registers torch.ops.mla_backend.*. It registers through torch's
+stable ABI, so one build loads under every torch from 2.11 on.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def load() -> bool:
     try:
         torch.ops.load_library(path)
     except (OSError, RuntimeError) as e:
-        _state["error"] = f"loading {path} failed: {e}"
+        # torch wraps the loader's error (e.g. an undefined symbol) as the cause
+        cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
+        _state["error"] = f"loading {path} failed: {e}{cause}"
         return False
     _state["loaded"] = True
     return True
@@ -154,6 +157,15 @@ def require(op_name: str) -> None:
 
 def is_available() -> bool:
     return load()
+
+
+def registered_schemas() -> dict[str, str]:
+    """{op name: schema} of every op registered in torch.ops.mla_backend (empty until the
+    extension is loaded)."""
+    prefix = "mla_backend::"
+    names = sorted(n[len(prefix):] for n in torch._C._dispatch_get_all_op_names()
+                   if n.startswith(prefix))
+    return {n: str(getattr(torch.ops.mla_backend, n).default._schema) for n in names}
 
 
 def load_error() -> str | None:

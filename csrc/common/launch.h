@@ -1,16 +1,16 @@
 // Host helpers: CUDA error checks and kernel launches with programmatic dependent launch.
 #pragma once
 
-#include <c10/util/Exception.h>
 #include <cuda_runtime.h>
+#include <torch/headeronly/util/Exception.h>
 
 #include <utility>
 
-#define MLA_CHECK_CUDA(expr)                                                       \
-  do {                                                                             \
-    cudaError_t err__ = (expr);                                                    \
-    TORCH_CHECK(err__ == cudaSuccess, "CUDA error: ", cudaGetErrorString(err__),   \
-                " at " __FILE__ ":", __LINE__);                                    \
+#define MLA_CHECK_CUDA(expr)                                                         \
+  do {                                                                               \
+    cudaError_t err__ = (expr);                                                      \
+    STD_TORCH_CHECK(err__ == cudaSuccess, "CUDA error: ", cudaGetErrorString(err__), \
+                    " at " __FILE__ ":", __LINE__);                                  \
   } while (0)
 
 namespace mla_backend {

@@ -2,8 +2,6 @@
 // dispatch to the kernels: the mma.sync kernel for 16-row tiles (mma_kernel.cuh; rows = s_q *
 // H <= 16) and the wgmma kernel for 64-row tiles (wgmma/), each over a 16-bit or a
 // per-tensor fp8 cache.
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -24,49 +22,50 @@ using splitkv::DecodeParams;
 using splitkv::kUnitMma;
 using splitkv::kUnitWgmma;
 
-void plan_decode(const at::Tensor& seq_lens, at::Tensor& metadata, int64_t num_ctas, int64_t min_units,
+void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int64_t min_units,
                  int64_t unit_tokens) {
-  TORCH_CHECK(seq_lens.is_cuda() && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
-              "plan_decode: seq_lens must be contiguous int32 on CUDA");
-  TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == at::kInt &&
-                  metadata.numel() == seq_lens.numel() + 2,
-              "plan_decode: metadata must be int32 [batch + 2]");
-  TORCH_CHECK(num_ctas >= 1 && min_units >= 1, "plan_decode: num_ctas and min_units must be >= 1");
-  TORCH_CHECK(unit_tokens == kUnitMma || unit_tokens == kUnitWgmma, "plan_decode: unit_tokens must be ",
-              kUnitMma, " or ", kUnitWgmma, ", got ", unit_tokens);
-  const c10::cuda::CUDAGuard guard(seq_lens.device());
-  splitkv::launch_planner(seq_lens.data_ptr<int>(), int(seq_lens.numel()), 1, INT_MAX, metadata.data_ptr<int>(),
-                          int(num_ctas), int(min_units), int(unit_tokens), at::cuda::getCurrentCUDAStream());
+  STD_TORCH_CHECK(seq_lens.is_cuda() && seq_lens.scalar_type() == ScalarType::Int && seq_lens.is_contiguous(),
+                  "plan_decode: seq_lens must be contiguous int32 on CUDA");
+  STD_TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == ScalarType::Int &&
+                      metadata.numel() == seq_lens.numel() + 2,
+                  "plan_decode: metadata must be int32 [batch + 2]");
+  STD_TORCH_CHECK(num_ctas >= 1 && min_units >= 1, "plan_decode: num_ctas and min_units must be >= 1");
+  STD_TORCH_CHECK(unit_tokens == kUnitMma || unit_tokens == kUnitWgmma, "plan_decode: unit_tokens must be ",
+                  kUnitMma, " or ", kUnitWgmma, ", got ", unit_tokens);
+  const DeviceGuard guard(seq_lens.get_device_index());
+  splitkv::launch_planner(seq_lens.const_data_ptr<int>(), int(seq_lens.numel()), 1, INT_MAX,
+                          metadata.mutable_data_ptr<int>(), int(num_ctas), int(min_units), int(unit_tokens),
+                          current_stream(seq_lens));
 }
 
-void mla_decode(const at::Tensor& q, const std::optional<at::Tensor>& q_pe, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                const at::Tensor& seq_lens, const at::Tensor& metadata, at::Tensor& partial_out,
-                at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse, int64_t num_ctas,
+void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
+                const Tensor& block_table, const Tensor& seq_lens, const Tensor& metadata, Tensor& partial_out,
+                Tensor& partial_lse, Tensor& out, Tensor& lse, int64_t num_ctas,
                 int64_t rows_per_cta, double softmax_scale, bool causal,
-                const std::optional<at::Tensor>& kv_scale, double kv_scale_value) {
+                const std::optional<Tensor>& kv_scale, double kv_scale_value) {
   // mla_backend.ops validates shapes and dtypes; re-check what memory safety needs.
   // q: whole rows [B, s_q, H, 576], or their latent part [B, s_q, H, 512] with q_pe the rope part
-  TORCH_CHECK(q.dim() == 4 && q.size(3) == (q_pe.has_value() ? kDv : kDqk) && q.stride(3) == 1,
-              "mla_decode: bad q");
-  TORCH_CHECK(!q_pe.has_value() || (q_pe->dim() == 4 && q_pe->size(0) == q.size(0) && q_pe->size(1) == q.size(1) &&
-                                    q_pe->size(2) == q.size(2) && q_pe->size(3) == kDqk - kDv &&
-                                    q_pe->stride(3) == 1 && q_pe->scalar_type() == q.scalar_type() &&
-                                    q_pe->device() == q.device()),
-              "mla_decode: bad q_pe");
-  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == kPage && kv_cache.size(2) == kDqk &&
-                  kv_cache.stride(2) == 1 && (fp8 || kv_cache.scalar_type() == q.scalar_type()),
-              "mla_decode: bad kv_cache");
-  TORCH_CHECK(!kv_scale.has_value() || (kv_scale->is_cuda() && kv_scale->scalar_type() == at::kFloat &&
-                                        kv_scale->numel() == 1),
-              "mla_decode: kv_scale must be a 1-element float32 CUDA tensor");
-  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "mla_decode: out/lse must be contiguous");
+  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == (q_pe.has_value() ? kDv : kDqk) && q.stride(3) == 1,
+                  "mla_decode: bad q");
+  STD_TORCH_CHECK(!q_pe.has_value() ||
+                      (q_pe->dim() == 4 && q_pe->size(0) == q.size(0) && q_pe->size(1) == q.size(1) &&
+                       q_pe->size(2) == q.size(2) && q_pe->size(3) == kDqk - kDv && q_pe->stride(3) == 1 &&
+                       q_pe->scalar_type() == q.scalar_type() && q_pe->get_device_index() == q.get_device_index()),
+                  "mla_decode: bad q_pe");
+  const bool fp8 = kv_cache.scalar_type() == ScalarType::Float8_e4m3fn;
+  STD_TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == kPage && kv_cache.size(2) == kDqk &&
+                      kv_cache.stride(2) == 1 && (fp8 || kv_cache.scalar_type() == q.scalar_type()),
+                  "mla_decode: bad kv_cache");
+  STD_TORCH_CHECK(!kv_scale.has_value() || (kv_scale->is_cuda() && kv_scale->scalar_type() == ScalarType::Float &&
+                                            kv_scale->numel() == 1),
+                  "mla_decode: kv_scale must be a 1-element float32 CUDA tensor");
+  STD_TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "mla_decode: out/lse must be contiguous");
   const int64_t batch = q.size(0), rows = q.size(1) * q.size(2);
-  TORCH_CHECK(metadata.numel() == batch + 2 && partial_out.size(0) == 2 * num_ctas &&
-                  partial_out.size(1) == rows && partial_lse.size(0) == 2 * num_ctas,
-              "mla_decode: plan buffers do not match q");
+  STD_TORCH_CHECK(metadata.numel() == batch + 2 && partial_out.size(0) == 2 * num_ctas &&
+                      partial_out.size(1) == rows && partial_lse.size(0) == 2 * num_ctas,
+                  "mla_decode: plan buffers do not match q");
   if (batch == 0) return;
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.get_device_index());
   DecodeParams p =
       splitkv::decode_params(q, kv_cache, metadata, partial_out, partial_lse, out, lse, num_ctas, softmax_scale);
   if (q_pe.has_value()) {
@@ -75,17 +74,17 @@ void mla_decode(const at::Tensor& q, const std::optional<at::Tensor>& q_pe, cons
   }
   p.kv_stride_block = kv_cache.stride(0); p.kv_stride_tok = kv_cache.stride(1);
   p.num_blocks = kv_cache.size(0);
-  p.block_table = block_table.data_ptr<int>();
+  p.block_table = block_table.const_data_ptr<int>();
   p.bt_stride = block_table.stride(0);
   p.max_blocks = int(block_table.size(1));
-  p.seq_lens = seq_lens.data_ptr<int>();
+  p.seq_lens = seq_lens.const_data_ptr<int>();
   p.batch = int(batch); p.s_q = int(q.size(1)); p.heads = int(q.size(2)); p.rows = int(rows);
-  p.kv_scale_ptr = kv_scale.has_value() ? kv_scale->data_ptr<float>() : nullptr;
+  p.kv_scale_ptr = kv_scale.has_value() ? kv_scale->const_data_ptr<float>() : nullptr;
   p.kv_scale_value = float(kv_scale_value);
   p.causal = causal;
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || q.scalar_type() == at::kHalf, "mla_decode: q must be bf16 or fp16");
+  cudaStream_t stream = current_stream(q);
+  const bool bf16 = q.scalar_type() == ScalarType::BFloat16;
+  STD_TORCH_CHECK(bf16 || q.scalar_type() == ScalarType::Half, "mla_decode: q must be bf16 or fp16");
   if (rows_per_cta == 16) {
     if (fp8) {
       if (bf16) launch_mma_decode<__nv_bfloat16, KvFormat::kFp8>(p, stream);
@@ -104,7 +103,7 @@ void mla_decode(const at::Tensor& q, const std::optional<at::Tensor>& q_pe, cons
       else wgmma::launch_decode_wgmma<__half, KeySource::kPagedTma, false, false>(p, stream, true);
     }
   } else {
-    TORCH_CHECK(false, "mla_decode: rows_per_cta must be 16 or 64, got ", rows_per_cta);
+    STD_TORCH_CHECK(false, "mla_decode: rows_per_cta must be 16 or 64, got ", rows_per_cta);
   }
 }
 

@@ -5,8 +5,6 @@
 // each (batch entry, query token) is one request of the split-KV plan, its keys the entries
 // of its index list, its rows the H heads, on one or two 64-row tiles of the wgmma kernel
 // (wgmma/), or, for H <= 16 over a bf16 cache, on the narrow kernel (narrow_kernel.cuh).
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 
 #include "common/mla_shapes.h"
@@ -48,64 +46,64 @@ void launch_sparse(const DecodeParams& p, bool fp8_ds_mla, bool combine, cudaStr
 using splitkv::DecodeParams;
 using splitkv::kUnitWgmma;
 
-void plan_sparse_decode(const std::optional<at::Tensor>& topk_length, at::Tensor& metadata,
+void plan_sparse_decode(const std::optional<Tensor>& topk_length, Tensor& metadata,
                         int64_t q_tokens_per_req, int64_t topk, int64_t num_ctas, int64_t min_units,
                         int64_t unit_tokens) {
-  TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == at::kInt && metadata.is_contiguous() &&
-                  metadata.numel() >= 2,
-              "plan_sparse_decode: metadata must be contiguous int32 [groups + 2] on CUDA");
+  STD_TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == ScalarType::Int && metadata.is_contiguous() &&
+                      metadata.numel() >= 2,
+                  "plan_sparse_decode: metadata must be contiguous int32 [groups + 2] on CUDA");
   const int64_t groups = metadata.numel() - 2;
-  TORCH_CHECK(q_tokens_per_req >= 1 && groups % q_tokens_per_req == 0 && topk >= 1 && num_ctas >= 1 &&
-                  min_units >= 1,
-              "plan_sparse_decode: bad sizes");
-  TORCH_CHECK(unit_tokens == kUnitWgmma, "plan_sparse_decode: unit_tokens must be ", kUnitWgmma, ", got ",
-              unit_tokens);
+  STD_TORCH_CHECK(q_tokens_per_req >= 1 && groups % q_tokens_per_req == 0 && topk >= 1 && num_ctas >= 1 &&
+                      min_units >= 1,
+                  "plan_sparse_decode: bad sizes");
+  STD_TORCH_CHECK(unit_tokens == kUnitWgmma, "plan_sparse_decode: unit_tokens must be ", kUnitWgmma, ", got ",
+                  unit_tokens);
   if (topk_length.has_value()) {
-    TORCH_CHECK(topk_length->is_cuda() && topk_length->scalar_type() == at::kInt && topk_length->is_contiguous() &&
-                    topk_length->numel() * q_tokens_per_req == groups,
-                "plan_sparse_decode: topk_length must be contiguous int32 [batch] on CUDA");
+    STD_TORCH_CHECK(topk_length->is_cuda() && topk_length->scalar_type() == ScalarType::Int &&
+                        topk_length->is_contiguous() && topk_length->numel() * q_tokens_per_req == groups,
+                    "plan_sparse_decode: topk_length must be contiguous int32 [batch] on CUDA");
   }
-  const c10::cuda::CUDAGuard guard(metadata.device());
-  splitkv::launch_planner(topk_length.has_value() ? topk_length->data_ptr<int>() : nullptr, int(groups),
-                          int(q_tokens_per_req), int(topk), metadata.data_ptr<int>(), int(num_ctas), int(min_units),
-                          int(unit_tokens), at::cuda::getCurrentCUDAStream());
+  const DeviceGuard guard(metadata.get_device_index());
+  splitkv::launch_planner(topk_length.has_value() ? topk_length->const_data_ptr<int>() : nullptr, int(groups),
+                          int(q_tokens_per_req), int(topk), metadata.mutable_data_ptr<int>(), int(num_ctas),
+                          int(min_units), int(unit_tokens), current_stream(metadata));
 }
 
-void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
-                       const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
-                       at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& out, at::Tensor& lse,
+void sparse_mla_decode(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
+                       const std::optional<Tensor>& topk_length, const Tensor& metadata,
+                       Tensor& partial_out, Tensor& partial_lse, Tensor& out, Tensor& lse,
                        int64_t num_ctas, int64_t rows_per_cta, double softmax_scale, bool combine,
                        int64_t uniform_units, int64_t units_per_cta) {
   // mla_backend.ops validates shapes and dtypes; re-check what memory safety needs.
-  TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1 && q.scalar_type() == at::kBFloat16,
-              "sparse_mla_decode: bad q");
-  const bool ds = kv_cache.scalar_type() == at::kByte;
+  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1 && q.scalar_type() == ScalarType::BFloat16,
+                  "sparse_mla_decode: bad q");
+  const bool ds = kv_cache.scalar_type() == ScalarType::Byte;
   const int64_t tok_width = ds ? 656 : kDqk;
-  TORCH_CHECK((kv_cache.dim() == 3 || kv_cache.dim() == 2) && kv_cache.size(-1) == tok_width &&
-                  kv_cache.stride(-1) == 1 && (ds || kv_cache.scalar_type() == at::kBFloat16),
-              "sparse_mla_decode: bad kv_cache");
-  TORCH_CHECK(kv_cache.dim() == 2 || kv_cache.size(1) == kPage, "sparse_mla_decode: pages must hold 64 tokens");
+  STD_TORCH_CHECK((kv_cache.dim() == 3 || kv_cache.dim() == 2) && kv_cache.size(-1) == tok_width &&
+                      kv_cache.stride(-1) == 1 && (ds || kv_cache.scalar_type() == ScalarType::BFloat16),
+                  "sparse_mla_decode: bad kv_cache");
+  STD_TORCH_CHECK(kv_cache.dim() == 2 || kv_cache.size(1) == kPage, "sparse_mla_decode: pages must hold 64 tokens");
   const int64_t batch = q.size(0), s_q = q.size(1), heads = q.size(2);
-  TORCH_CHECK(indices.dim() == 3 && indices.size(0) == batch && indices.size(1) == s_q && indices.stride(2) == 1 &&
-                  indices.scalar_type() == at::kInt,
-              "sparse_mla_decode: bad indices");
-  TORCH_CHECK(!topk_length.has_value() || (topk_length->numel() == batch && topk_length->is_contiguous() &&
-                                           topk_length->scalar_type() == at::kInt),
-              "sparse_mla_decode: bad topk_length");
-  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "sparse_mla_decode: out/lse must be contiguous");
+  STD_TORCH_CHECK(indices.dim() == 3 && indices.size(0) == batch && indices.size(1) == s_q &&
+                      indices.stride(2) == 1 && indices.scalar_type() == ScalarType::Int,
+                  "sparse_mla_decode: bad indices");
+  STD_TORCH_CHECK(!topk_length.has_value() || (topk_length->numel() == batch && topk_length->is_contiguous() &&
+                                               topk_length->scalar_type() == ScalarType::Int),
+                  "sparse_mla_decode: bad topk_length");
+  STD_TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "sparse_mla_decode: out/lse must be contiguous");
   const int64_t groups = batch * s_q;
-  TORCH_CHECK(metadata.numel() == groups + 2 && partial_out.size(0) == 2 * num_ctas && partial_out.size(1) == heads &&
-                  partial_lse.size(0) == 2 * num_ctas,
-              "sparse_mla_decode: plan buffers do not match q");
+  STD_TORCH_CHECK(metadata.numel() == groups + 2 && partial_out.size(0) == 2 * num_ctas &&
+                      partial_out.size(1) == heads && partial_lse.size(0) == 2 * num_ctas,
+                  "sparse_mla_decode: plan buffers do not match q");
   // uniform plan (uniform_units > 0): every group has its topk entries, ceil(topk / 64) units,
   // and the kernels take the schedule from these two numbers rather than from metadata
   const int64_t topk_units = (indices.size(2) + kUnitWgmma - 1) / kUnitWgmma;
-  TORCH_CHECK(uniform_units == 0 || (uniform_units == topk_units && !topk_length.has_value() && units_per_cta >= 1 &&
-                                     units_per_cta <= groups * topk_units),
-              "sparse_mla_decode: a uniform plan needs uniform_units = ceil(topk / 64), no topk_length and "
-              "1 <= units_per_cta <= all units");
+  STD_TORCH_CHECK(uniform_units == 0 || (uniform_units == topk_units && !topk_length.has_value() &&
+                                         units_per_cta >= 1 && units_per_cta <= groups * topk_units),
+                  "sparse_mla_decode: a uniform plan needs uniform_units = ceil(topk / 64), no topk_length and "
+                  "1 <= units_per_cta <= all units");
   if (groups == 0) return;
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.get_device_index());
   DecodeParams p =
       splitkv::decode_params(q, kv_cache, metadata, partial_out, partial_lse, out, lse, num_ctas, softmax_scale);
   if (kv_cache.dim() == 3) {  // paged: slot = block * 64 + offset
@@ -120,15 +118,15 @@ void sparse_mla_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at
   p.batch = int(groups); p.s_q = 1; p.heads = int(heads); p.rows = int(heads);
   p.kv_scale_ptr = nullptr; p.kv_scale_value = 1.f;
   p.causal = false;
-  p.indices = indices.data_ptr<int>();
+  p.indices = indices.const_data_ptr<int>();
   p.idx_stride_b = indices.stride(0); p.idx_stride_s = indices.stride(1);
-  p.topk_length = topk_length.has_value() ? topk_length->data_ptr<int>() : nullptr;
+  p.topk_length = topk_length.has_value() ? topk_length->const_data_ptr<int>() : nullptr;
   p.topk = int(indices.size(2));
   p.group_s_q = int(s_q);
   p.uniform_units = int(uniform_units);
   p.units_per_cta = int(units_per_cta);
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(rows_per_cta == 64, "sparse_mla_decode: rows_per_cta must be 64, got ", rows_per_cta);
+  cudaStream_t stream = current_stream(q);
+  STD_TORCH_CHECK(rows_per_cta == 64, "sparse_mla_decode: rows_per_cta must be 64, got ", rows_per_cta);
   // combine == false: the plan proved that no group spans CTAs and none is empty (uniform
   // topk, CTA ranges of whole groups), so every output is written by the attention kernel
   sparse::launch_sparse(p, ds, combine, stream);

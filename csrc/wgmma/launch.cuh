@@ -18,7 +18,7 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   auto kernel = decode_wgmma_kernel<T, kSrc, kPaired, kPrefetch>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
-  TORCH_CHECK(!kPaired || grid.y == 2, "mla_decode: a paired launch needs exactly two row tiles");
+  STD_TORCH_CHECK(!kPaired || grid.y == 2, "mla_decode: a paired launch needs exactly two row tiles");
   CUtensorMap kv_map{}, q_map{};  // the producer sources copy keys without a tensor map
   if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
   if constexpr (kQTmaOf<kSrc>) q_map = make_q_map(p, kRows);

@@ -19,7 +19,8 @@ EncodeTiled tensor_map_encoder() {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status;
     MLA_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
-    TORCH_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr, "mla_decode: cuTensorMapEncodeTiled not found");
+    STD_TORCH_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr,
+                    "mla_decode: cuTensorMapEncodeTiled not found");
     encode = reinterpret_cast<EncodeTiled>(fn);
   }
   return encode;
@@ -38,8 +39,8 @@ CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
                             const_cast<void*>(p.kv), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "mla_decode: cuTensorMapEncodeTiled failed with error ", int(r),
-              " (kv_cache must be 16-byte aligned with 16-byte multiple strides)");
+  STD_TORCH_CHECK(r == CUDA_SUCCESS, "mla_decode: cuTensorMapEncodeTiled failed with error ", int(r),
+                  " (kv_cache must be 16-byte aligned with 16-byte multiple strides)");
   return map;
 }
 
@@ -63,8 +64,8 @@ CUtensorMap make_q_map(const DecodeParams& p, int box_rows) {
                                           strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                           CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "sparse_mla_decode: cuTensorMapEncodeTiled failed for q with error ", int(r),
-              " (q must be 16-byte aligned with nonzero 16-byte multiple strides)");
+  STD_TORCH_CHECK(r == CUDA_SUCCESS, "sparse_mla_decode: cuTensorMapEncodeTiled failed for q with error ", int(r),
+                  " (q must be 16-byte aligned with nonzero 16-byte multiple strides)");
   return map;
 }
 
