@@ -225,6 +225,9 @@ def test_multi_gpu_engine_env_and_spec(tmp_path, monkeypatch, clean_harness):
     assert spec["prompts"] == prompts and spec["worker_hooks"] == {"count": True}
     assert "preload" not in spec
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    for k, v in harness.NO_MULTICAST.items():
+        assert env.get(k, os.environ.get(k)) == v
     plugin = env["PYTHONPATH"].split(os.pathsep)[0]
     assert os.path.isdir(os.path.join(plugin, worker_hooks.DIST))
     assert str(harness.ROOT) in env["PYTHONPATH"].split(os.pathsep)

@@ -167,13 +167,22 @@ def engine_spec(hooks: dict | None = None, **spec) -> dict:
     return full
 
 
+# NVLink multicast stays off (the GPU machines' rule: it can take shared GPUs out of service);
+# set here only where the environment does not already say so.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def _engine_env(workdir, key: str, full: dict) -> dict:
     """PYTHONPATH (the repository root: engines import tests.e2e.hooks) and, for a multi-GPU
-    engine, the spawn start method and the worker hooks' plugin and options."""
+    engine, the spawn start method, no NVLink multicast (nor vLLM's symmetric-memory
+    all-reduce, which is built on it), and the worker hooks' plugin and options."""
     path = [str(ROOT)]
     env = {}
     if full.get("tensor_parallel_size", 1) > 1:
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
+        env.update({k: v for k, v in NO_MULTICAST.items() if k not in os.environ})
         if full.get("worker_hooks") is not None:
             plugin = worker_hooks.write_plugin(pathlib.Path(workdir) / "worker-hooks-plugin")
             path.insert(0, plugin)
