@@ -85,6 +85,38 @@ def test_ranks_logging_reads_vllms_prefixed_lines(color):
     assert parallel.missing_ranks(only_rank0, parallel.CUSTOM_SELECTED, 2) == ["Worker_TP1"]
 
 
+def _record_line(pid: int, message: str) -> str:
+    """One log record as vLLM 0.25's formatter writes it with PID_TAG_ENV's prefix (the
+    format of vllm.logger with VLLM_LOGGING_PREFIX inserted), from process pid."""
+    import logging
+
+    from vllm.logging_utils import NewLineFormatter
+
+    fmt = (parallel.PID_TAG_ENV["VLLM_LOGGING_PREFIX"]
+           + "%(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s")
+    record = logging.LogRecord("vllm.platforms.cuda", logging.INFO, "cuda.py", 416, message,
+                               None, None)
+    record.process = pid
+    return NewLineFormatter(fmt, datefmt="%m-%d %H:%M:%S").format(record)
+
+
+def test_ranks_logging_survives_interleaved_writes():
+    """Two ranks logging at once: the prefixes and the records of two processes interleave
+    (the prefix and the record are separate writes); each record carries its pid."""
+    pytest.importorskip("vllm")
+    chose = parallel.CUSTOM_SELECTED
+    a, b = _record_line(11, chose), _record_line(12, chose)
+    assert a.startswith("[pid 11] INFO ") and a.endswith(chose)
+    log = ("(Worker_TP0 pid=11) [pid 11] INFO loading\n"
+           "(Worker_TP1 pid=12) [pid 12] INFO loading\n"
+           f"(Worker_TP0 pid=11) (Worker_TP1 pid=12) {b}\n{a}\n")
+    assert parallel.ranks_logging(log, chose) == {"Worker_TP0": 1, "Worker_TP1": 1}
+    assert parallel.missing_ranks(log, chose, 2) == []
+    # a record from a process that is no worker (no worker prefix with its pid) counts for none
+    assert parallel.ranks_logging(f"(EngineCore_DP0 pid=9) {_record_line(9, chose)}\n",
+                                  chose) == {}
+
+
 def test_above_uniform():
     vocab = 2048
     uniform = [{"logprobs": [[[t, -math.log(vocab)] for t in range(5)]] * 3}]
@@ -226,6 +258,7 @@ def test_multi_gpu_engine_env_and_spec(tmp_path, monkeypatch, clean_harness):
     assert "preload" not in spec
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    assert env["VLLM_LOGGING_PREFIX"] == "[pid %(process)d] "
     for k, v in harness.NO_MULTICAST.items():
         assert env.get(k, os.environ.get(k)) == v
     plugin = env["PYTHONPATH"].split(os.pathsep)[0]

@@ -28,7 +28,7 @@ import threading
 from importlib import metadata
 
 from mla_backend.demo import engines, tiny_model
-from tests.e2e import worker_hooks
+from tests.e2e import parallel, worker_hooks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HOOKS = "tests.e2e.hooks"  # imported into an engine's process by engine_run (spec "preload")
@@ -176,12 +176,14 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 def _engine_env(workdir, key: str, full: dict) -> dict:
     """PYTHONPATH (the repository root: engines import tests.e2e.hooks) and, for a multi-GPU
     engine, the spawn start method, no NVLink multicast (nor vLLM's symmetric-memory
-    all-reduce, which is built on it), and the worker hooks' plugin and options."""
+    all-reduce, which is built on it), process ids in the log records (tests/e2e/parallel.py)
+    and the worker hooks' plugin and options."""
     path = [str(ROOT)]
     env = {}
     if full.get("tensor_parallel_size", 1) > 1:
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
+        env.update(parallel.PID_TAG_ENV)  # each log record names its process
         env.update({k: v for k, v in NO_MULTICAST.items() if k not in os.environ})
         if full.get("worker_hooks") is not None:
             plugin = worker_hooks.write_plugin(pathlib.Path(workdir) / "worker-hooks-plugin")

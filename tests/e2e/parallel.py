@@ -1,8 +1,15 @@
 """What the multi-GPU e2e tests read from an engine besides its outputs: which of vLLM's
-worker ranks logged a line (vLLM 0.25 prefixes every line a worker prints with its process
-name, `(Worker_TP1_DCP1 pid=4242) `, once the parallel groups exist: multiproc_executor's
-setup_proc_title_and_log_prefix, before the model and its attention backend are built), the
-ranks an engine has, and how far a reference's logprobs are from uniform."""
+worker ranks logged a line, the ranks an engine has, and how far a reference's logprobs are
+from uniform.
+
+vLLM 0.25 prefixes what a worker prints with its process name, `(Worker_TP1_DCP1 pid=4242) `,
+once the parallel groups exist (multiproc_executor's setup_proc_title_and_log_prefix, before
+the model and its attention backend are built). The prefix and the line are two writes, so
+two ranks logging at the same moment can interleave them in a shared log. PID_TAG_ENV puts
+the process id into the log record itself (vLLM inserts VLLM_LOGGING_PREFIX into its log
+format), one write with the text; a line is then credited to the worker whose prefix carries
+that pid elsewhere in the log.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,9 @@ import re
 import statistics
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_PREFIX = re.compile(r"\((Worker(?:_[A-Z]+\d+)*) pid=\d+\) ")
+_PREFIX = re.compile(r"\((Worker(?:_[A-Z]+\d+)*) pid=(\d+)\) ")
+_PID_TAG = re.compile(r"\[pid (\d+)\] ")
+PID_TAG_ENV = {"VLLM_LOGGING_PREFIX": "[pid %(process)d] "}
 CUSTOM_SELECTED = "Using AttentionBackendEnum.CUSTOM backend."  # platforms/cuda.py, per worker
 MIN_ABOVE_UNIFORM = 1.0  # nats: the reference's median top-1 logprob above -ln(vocab)
 
@@ -24,12 +33,23 @@ def rank_names(tp: int, dcp: int = 1) -> list[str]:
 
 
 def ranks_logging(log: str, text: str) -> dict[str, int]:
-    """How many lines containing text each worker process name printed."""
+    """How many log records containing text each worker process name printed: by the pid tag
+    of the record (PID_TAG_ENV) where there is one, else by the worker prefix before it."""
+    clean = _ANSI.sub("", log)
+    names = {int(m.group(2)): m.group(1) for m in _PREFIX.finditer(clean)}
     found: dict[str, int] = {}
-    for line in _ANSI.sub("", log).splitlines():
-        m = _PREFIX.search(line)
-        if m and text in line[m.end():]:
-            found[m.group(1)] = found.get(m.group(1), 0) + 1
+    for line in clean.splitlines():
+        at = line.find(text)
+        if at < 0:
+            continue
+        tags = list(_PID_TAG.finditer(line, 0, at))
+        if tags:
+            name = names.get(int(tags[-1].group(1)))
+        else:
+            prefixes = list(_PREFIX.finditer(line, 0, at))
+            name = prefixes[-1].group(1) if prefixes else None
+        if name is not None:
+            found[name] = found.get(name, 0) + 1
     return found
 
 
