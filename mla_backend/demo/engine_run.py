@@ -8,12 +8,13 @@ once per backend, so every engine starts clean and frees its GPU memory on exit.
 SPEC keys: model (dir), backend (an AttentionBackendEnum name, or null for vLLM's choice),
 mode ("eager": enforce_eager; "graphs": FULL CUDA graphs for decode, no torch.compile;
 "default": vLLM's default -O2), kv_cache_dtype, load_format, max_model_len, max_num_seqs,
-max_num_batched_tokens, tensor_parallel_size, gpu_memory_utilization, speculative (vLLM's
-speculative_config or null), async_scheduling (null: vLLM's default), tokenizer (bool: the
-model dir has one), prompts (token-id lists), max_tokens, logprobs, and optionally timing
-{prompt_len, batch, steps, repeats}: decode-step time (see _time_decode), and preload
-{module: options}: modules imported into the engine's process before the engine is built
-(see _preload).
+max_num_batched_tokens, tensor_parallel_size, decode_context_parallel_size,
+gpu_memory_utilization, kv_cache_memory_bytes (a fixed KV cache: vLLM then skips its memory
+profiling, so engines can share GPUs), speculative (vLLM's speculative_config or null),
+async_scheduling (null: vLLM's default), tokenizer (bool: the model dir has one), prompts
+(token-id lists), max_tokens, logprobs, and optionally timing {prompt_len, batch, steps,
+repeats}: decode-step time (see _time_decode), and preload {module: options}: modules
+imported into the engine's process before the engine is built (see _preload).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def _llm(spec: dict):
                   load_format=spec.get("load_format", "auto"), seed=0)
     if spec.get("tensor_parallel_size", 1) > 1:
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+    if spec.get("decode_context_parallel_size", 1) > 1:
+        kwargs["decode_context_parallel_size"] = spec["decode_context_parallel_size"]
+    if spec.get("kv_cache_memory_bytes"):
+        kwargs["kv_cache_memory_bytes"] = spec["kv_cache_memory_bytes"]
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("backend"):

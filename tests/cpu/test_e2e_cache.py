@@ -63,7 +63,7 @@ def test_python_sources_cover_the_adapters_and_the_hooks(monkeypatch):
     for part in ("mla_backend/vllm/dense.py", "mla_backend/vllm/sparse.py",
                  "mla_backend/ops/dense.py", "mla_backend/demo/engine_run.py",
                  "mla_backend/demo/tiny_model.py", "plugin_entry/vllm_plugin.py",
-                 "tests/e2e/hooks.py"):
+                 "tests/e2e/hooks.py", "tests/e2e/worker_hooks.py"):
         assert any(p.endswith(part) for p in sources), part
 
 

@@ -1,6 +1,8 @@
 """Test-only hooks for the e2e engines, imported into an engine's process by
 mla_backend.demo.engine_run before the engine is built (spec key
-`"preload": {"tests.e2e.hooks": OPTIONS}`; the engine then runs in that one process).
+`"preload": {"tests.e2e.hooks": OPTIONS}`; the engine then runs in that one process), or
+into every process of a multi-GPU engine by tests/e2e/worker_hooks.py (each process then
+writes its report to a file of its own after every hooked call).
 
 The adapters call `ops.mla_decode` / `ops.sparse_mla_decode` as attributes of the
 `mla_backend.ops` package at call time, so replacing those attributes here reaches every
@@ -17,7 +19,11 @@ OPTIONS (all optional):
                             left out: seq_len rounded down to a multiple of 64, i.e. pages
                             counted as seq_len // 64 instead of rounding up;
     "rope_dropped"          (sparse) scores over the 512 latent dims only: q's 64 RoPE dims
-                            are zeroed, as a kernel that skipped the RoPE tile would compute.
+                            are zeroed, as a kernel that skipped the RoPE tile would compute;
+    "lse_shifted_on_dcp_rank_1"
+                            (dense, decode context parallel) the lse returned on DCP rank 1
+                            is 1 too large, so vLLM's DCP merge weights that rank's keys e
+                            times too much (a shift on every rank would cancel in the merge).
   kv_scales: [K, V]    after vLLM's loading, every MLA layer's fp8 KV-cache scales are set to
                        K and V (k_scale, v_scale; the cache writer and the decode read them),
                        as a checkpoint's scales would set them. vLLM 0.25 does not load a
@@ -35,6 +41,8 @@ report() returns what happened, for the engine's result ("preload").
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 
 import torch
@@ -42,14 +50,18 @@ import torch
 from mla_backend import formats, ops
 from mla_backend.ops import dense, sparse
 
-PERTURBATIONS = ("partial_page_dropped", "rope_dropped")
+PERTURBATIONS = ("partial_page_dropped", "rope_dropped", "lse_shifted_on_dcp_rank_1")
+LSE_SHIFT = 1.0  # lse_shifted_on_dcp_rank_1: ln(e), one rank's keys weighted e times
 _seen: dict = {"options": {}, "calls_by_s_q": Counter(), "captured_by_s_q": Counter(),
                "sparse_calls": 0, "perturbed_calls": 0, "rounded_cache_writes": 0,
                "scaled_layers": 0}
 _kv_scales: dict[int, object] = {}  # id -> the tensor or float given as kv_scale
+_report_path: list[str] = []  # where report() goes after every hooked call (worker processes)
 
 
-def install(options: dict) -> None:
+def install(options: dict, report_path: str | None = None) -> None:
+    """Apply options (see above). report_path: a file that report() is written to after every
+    hooked call (atomically), for processes whose report cannot be returned otherwise."""
     unknown = set(options) - {"count", "perturb", "round_cache_to", "kv_scales"}
     if unknown:
         raise ValueError(f"unknown hook options {sorted(unknown)}")
@@ -63,9 +75,10 @@ def install(options: dict) -> None:
             isinstance(x, (int, float)) and x > 0 for x in kv_scales)):
         raise ValueError(f"kv_scales must be [k_scale, v_scale] > 0; got {kv_scales!r}")
     _seen["options"] = dict(options)
+    _report_path[:] = [report_path] if report_path else []
     if kv_scales is not None:
         _set_kv_scales_after_loading(float(kv_scales[0]), float(kv_scales[1]))
-    if options.get("count") or perturb == "partial_page_dropped":
+    if options.get("count") or perturb in ("partial_page_dropped", "lse_shifted_on_dcp_rank_1"):
         ops.mla_decode = _mla_decode
     if options.get("count") or perturb == "rope_dropped":
         ops.sparse_mla_decode = _sparse_mla_decode
@@ -80,6 +93,7 @@ def install(options: dict) -> None:
                 raise RuntimeError("round_cache_to is for a bf16 cache")
             kv_c_normed = round_through_fp8_ds_mla(kv_c_normed, k_pe)
             _seen["rounded_cache_writes"] += 1
+            _write_report()
             return original(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
                             k_scale)
 
@@ -97,6 +111,7 @@ def _set_kv_scales_after_loading(k_scale: float, v_scale: float) -> None:
         self._v_scale.fill_(v_scale)
         self._k_scale_float, self._v_scale_float = k_scale, v_scale
         _seen["scaled_layers"] += 1
+        _write_report()
 
     MLAAttention.process_weights_after_loading = process_weights_after_loading
 
@@ -126,8 +141,20 @@ def _mla_decode(q, kv_cache, block_table, seq_lens, plan, softmax_scale, causal=
         plan = dense.plan_decode(seq_lens, plan.q_tokens_per_req, plan.num_heads,
                                  kv_cache_dtype=torch.float8_e4m3fn if plan.kv_fp8 else None)
         _seen["perturbed_calls"] += 1
-    return dense.mla_decode(q, kv_cache, block_table, seq_lens, plan, softmax_scale,
-                            causal=causal, kv_scale=kv_scale, out=out)
+    result = dense.mla_decode(q, kv_cache, block_table, seq_lens, plan, softmax_scale,
+                              causal=causal, kv_scale=kv_scale, out=out)
+    if _seen["options"].get("perturb") == "lse_shifted_on_dcp_rank_1":
+        if _capturing():
+            raise RuntimeError("the perturbed kernels run in eager engines only")
+        ranks = _ranks()
+        if ranks.get("dcp_size", 1) < 2:
+            raise RuntimeError("lse_shifted_on_dcp_rank_1 needs decode context parallelism: "
+                               "without it the lse is not used and nothing is perturbed")
+        if ranks["dcp"] == 1:
+            result[1].add_(LSE_SHIFT)
+            _seen["perturbed_calls"] += 1
+    _write_report()
+    return result
 
 
 def _sparse_mla_decode(q, kv_cache, indices, plan, softmax_scale, topk_length=None, out=None):
@@ -138,8 +165,34 @@ def _sparse_mla_decode(q, kv_cache, indices, plan, softmax_scale, topk_length=No
         q = q.clone()
         q[..., formats.KV_LORA_RANK:] = 0
         _seen["perturbed_calls"] += 1
-    return sparse.sparse_mla_decode(q, kv_cache, indices, plan, softmax_scale,
-                                    topk_length=topk_length, out=out)
+    result = sparse.sparse_mla_decode(q, kv_cache, indices, plan, softmax_scale,
+                                      topk_length=topk_length, out=out)
+    _write_report()
+    return result
+
+
+def _ranks() -> dict:
+    """This process's tensor- and decode-context-parallel ranks and sizes, when vLLM's
+    parallel groups exist here (a worker); else {}."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return {}
+        tp, dcp = ps.get_tp_group(), ps.get_dcp_group()
+    except (ImportError, AssertionError):
+        return {}
+    return {"tp": tp.rank_in_group, "tp_size": tp.world_size, "dcp": dcp.rank_in_group,
+            "dcp_size": dcp.world_size}
+
+
+def _write_report() -> None:
+    if not _report_path:
+        return
+    path = _report_path[0]
+    with open(path + ".tmp", "w") as f:
+        json.dump(report(), f)
+    os.replace(path + ".tmp", path)
 
 
 def report() -> dict:
@@ -155,4 +208,4 @@ def report() -> dict:
             "sparse_mla_decode_calls": _seen["sparse_calls"],
             "perturbed_calls": _seen["perturbed_calls"],
             "rounded_cache_writes": _seen["rounded_cache_writes"],
-            "scaled_layers": _seen["scaled_layers"]}
+            "scaled_layers": _seen["scaled_layers"], "ranks": _ranks()}
