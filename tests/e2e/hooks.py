@@ -54,7 +54,7 @@ PERTURBATIONS = ("partial_page_dropped", "rope_dropped", "lse_shifted_on_dcp_ran
 LSE_SHIFT = 1.0  # lse_shifted_on_dcp_rank_1: ln(e), one rank's keys weighted e times
 _seen: dict = {"options": {}, "calls_by_s_q": Counter(), "captured_by_s_q": Counter(),
                "sparse_calls": 0, "perturbed_calls": 0, "rounded_cache_writes": 0,
-               "scaled_layers": 0}
+               "scaled_layers": 0, "two_part_q_calls": 0}
 _kv_scales: dict[int, object] = {}  # id -> the tensor or float given as kv_scale
 _report_path: list[str] = []  # where report() goes after every hooked call (worker processes)
 
@@ -130,8 +130,10 @@ def _capturing() -> bool:
 
 def _mla_decode(q, kv_cache, block_table, seq_lens, plan, softmax_scale, causal=True,
                 kv_scale=None, out=None):
-    s_q = int(q.shape[1])
+    two_part = isinstance(q, tuple)  # (q_nope, q_pe) as vLLM hands them, no copy
+    s_q = int((q[0] if two_part else q).shape[1])
     (_seen["captured_by_s_q"] if _capturing() else _seen["calls_by_s_q"])[s_q] += 1
+    _seen["two_part_q_calls"] += two_part
     if kv_scale is not None:
         _kv_scales.setdefault(id(kv_scale), kv_scale)
     if _seen["options"].get("perturb") == "partial_page_dropped":
@@ -197,7 +199,8 @@ def _write_report() -> None:
 
 def report() -> dict:
     """What the hooks saw: calls of ops.mla_decode by query tokens per request (eager calls,
-    and calls while a graph was captured), the distinct kv_scale values given to it, the
+    and calls while a graph was captured), how many took the query in two parts (as vLLM
+    hands it, no copy), the distinct kv_scale values given to it, the
     perturbed calls and the rounded cache writes."""
     scales = sorted({float(s) for s in _kv_scales.values()})
     return {"options": _seen["options"],
@@ -205,6 +208,7 @@ def report() -> dict:
             "mla_decode_captured_by_s_q": {str(k): v
                                            for k, v in sorted(_seen["captured_by_s_q"].items())},
             "mla_decode_kv_scales": scales,
+            "mla_decode_two_part_q_calls": _seen["two_part_q_calls"],
             "sparse_mla_decode_calls": _seen["sparse_calls"],
             "perturbed_calls": _seen["perturbed_calls"],
             "rounded_cache_writes": _seen["rounded_cache_writes"],
