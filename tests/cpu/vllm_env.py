@@ -185,3 +185,17 @@ def sparse_planner_stand_in(monkeypatch):
 
     monkeypatch.setattr(ops, "plan_sparse_decode", plan_sparse_decode)
     return calls
+
+
+def host_without_gpu(monkeypatch):
+    """vLLM's builders pin their host buffers where PIN_MEMORY says so (decided when vLLM is
+    imported: True with a CUDA build of torch); this machine has no driver to pin with."""
+    import sys
+
+    from vllm.model_executor.layers.attention import mla_attention  # noqa: F401
+
+    if V033:
+        from vllm.model_executor.layers.attention import sparse_mla_attention  # noqa: F401
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm") and getattr(module, "PIN_MEMORY", None) is True:
+            monkeypatch.setattr(module, "PIN_MEMORY", False)
