@@ -193,6 +193,14 @@ def test_sparse_builder_long_prefills_take_our_kernel(tmp_path, sparse_planner):
         assert not m.prefill.use_dense_mha and m.plan.batch == 4
 
 
+def test_sparse_builder_prefill_only_step(tmp_path, sparse_planner):
+    # two new prompts of 5 and 40 tokens: on vLLM 0.33 both run on vLLM's dense MLA prefill
+    # and our kernel gets no row (an empty plan: the closed-form planner launches nothing)
+    b = _sparse_builder(vllm_config(model_dir(tmp_path, **V32)))
+    b.build(0, common([5, 40], [5, 40]))
+    assert sparse_planner[-1][:4] == ((0 if V033 else 45), 1, 16, 256)
+
+
 def test_sparse_builder_padded_cuda_graph_rows(tmp_path, sparse_planner):
     # a FULL graph captured for 4 decode tokens replayed with 2 requests: the padding
     # tokens map to request 0 and are planned with the rest
