@@ -1,4 +1,4 @@
-"""Dense MLA (DeepSeek-V2/V3) on mla_backend's decode kernel, for vLLM 0.25 to 0.33.
+"""Dense MLA (DeepSeek-V2/V3) on mla_backend's decode kernel, for vLLM 0.25 and 0.33.
 
 What runs where: vLLM's common MLA layer projects q, absorbs W_UK, writes the KV cache and
 runs prefills (`forward_mha`, vLLM's MLA prefill backend); decode rows — and spec-decode
