@@ -114,6 +114,55 @@ def test_dense_forward_hands_the_kernel_the_decode_rows(tmp_path, monkeypatch, s
     assert torch.equal(out[row], out[row, :, :1].expand(H, 512))
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_dense_layer_forward_through_vllm(tmp_path, monkeypatch, kv):
+    """vLLM's own MLAAttention.forward_impl (the layer's decode path, run here on a layer
+    holding just what it reads) with our impl: the kernel gets q = [q_nope W_UK | q_pe] of
+    the decode tokens only, and its output, up-projected by W_UV, is the layer's output."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from mla_backend.vllm.dense import MLADenseBackend
+    from tests.cpu.vllm_env import mla_spec, planner_stand_in
+
+    planner_stand_in(monkeypatch)
+    calls = _kernel_spy(monkeypatch, "mla_decode")
+    cfg = vllm_config(model_dir(tmp_path), cache_dtype=kv)
+    builder = MLADenseBackend.get_builder_cls()(mla_spec(), [add_layer(cfg)], cfg,
+                                                torch.device("cpu"))
+    md = builder.build(0, common([1, 1, 1], [40, 130, 7]))
+    g = torch.Generator().manual_seed(1)
+    w_uk_t = (torch.randn(H, 128, 512, generator=g) / 16).to(torch.bfloat16)
+    w_uv = (torch.randn(H, 512, 128, generator=g) / 16).to(torch.bfloat16)
+    layer = types.SimpleNamespace(
+        num_heads=H, v_head_dim=128, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, q_pad_num_heads=None, is_aiter_triton_fp4_bmm_enabled=False,
+        is_aiter_triton_fp8_bmm_enabled=False, is_amx_bmm_enabled=False,
+        impl=_dense_impl(cfg, kv), kv_cache_dtype=kv, use_pcp=False, W_UK_T=w_uk_t,
+        W_UK_T_dcp_qrep=None, W_UV=w_uv, _k_scale=torch.tensor(1.0), prefill_backend=None,
+        dcp_manager=None, chunked_prefill_workspace_size=64)
+    layer._v_up_proj = types.MethodType(MLAAttention._v_up_proj, layer)
+    if layer.impl.dcp_world_size == -1:  # vLLM 0.25 asks the DCP group at the first forward
+        layer.impl.dcp_world_size = 1
+    q = torch.randn(3, H, 192, generator=g).to(torch.bfloat16)
+    cache = torch.zeros(24, 64, 576, dtype=torch.uint8 if kv == "fp8" else torch.bfloat16)
+    output = torch.full((3, H * 128), float("nan"), dtype=torch.bfloat16)
+    MLAAttention.forward_impl(layer, q, torch.zeros(3, 512), torch.zeros(3, 1, 64), cache, md,
+                              output)
+
+    (kq, kv_cache, args, kwargs), = calls
+    assert kq.shape == (3, 1, H, 576) and kq.is_contiguous()
+    ql_nope = torch.bmm(q[..., :128].transpose(0, 1), w_uk_t).transpose(0, 1)
+    assert torch.equal(kq[:, 0, :, :512], ql_nope)
+    assert torch.equal(kq[:, 0, :, 512:], q[..., 128:])
+    # the fp8 cache reaches the kernel as float8_e4m3fn (vLLM views the uint8 storage)
+    assert kv_cache.dtype == (torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16)
+    assert kv_cache.data_ptr() == cache.data_ptr()
+    tag = 64 * torch.arange(3)[:, None] + torch.arange(H)[None, :]
+    attn = tag[..., None].expand(3, H, 512).to(torch.bfloat16)
+    expect = torch.bmm(attn.transpose(0, 1), w_uv).transpose(0, 1).reshape(3, H * 128)
+    assert torch.equal(output, expect)
+
+
 def test_dense_impl_claims(tmp_path):
     impl = _dense_impl(vllm_config(model_dir(tmp_path)))
     assert impl.can_return_lse_for_decode and impl.lse_base_on_e
@@ -183,6 +232,9 @@ def test_sparse_forward_hands_the_kernel_cache_slots(tmp_path, monkeypatch):
     shared = torch.zeros(blocks, 128, 576, dtype=torch.bfloat16)
     cache = shared[:, :64] if V033 else shared[:, :64].contiguous()
     ql_nope, q_pe = _q_parts(2)
+    if V033:  # what vLLM 0.33's V3.2 layer calls on the impl around the indexer
+        impl.prepare_for_batch(md)
+        impl.record_logical_topk_ready()
     out, lse = impl.forward_mqa((ql_nope, q_pe), cache, md, layer=None)
 
     (q, pages, args, kwargs), = calls
