@@ -1,4 +1,4 @@
-"""Dense MLA (DeepSeek-V2/V3) on mla_backend's decode kernel, for vLLM 0.25.
+"""Dense MLA (DeepSeek-V2/V3) on mla_backend's decode kernel, for vLLM 0.25 and 0.33.
 
 What runs where: vLLM's common MLA layer projects q, absorbs W_UK, writes the KV cache and
 runs prefills (`forward_mha`, vLLM's MLA prefill backend); decode rows — and spec-decode
@@ -22,8 +22,8 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonMetadataBuilder,
     QueryLenSupport,
 )
-from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from .. import ops
 from . import support
@@ -44,10 +44,12 @@ class MLADenseBackend(support.HopperMLABackendMixin, MLACommonBackend):
     def get_impl_cls() -> type[MLADenseImpl]:
         return MLADenseImpl
 
+    # vLLM 0.25 asks the backend for the cache layout; later releases take it from the
+    # KV-cache spec and no longer call this. The kernel indexes blocks by stride(0) (its TMA
+    # map takes the cache's own strides), so a layer's slice of a cross-layer buffer
+    # [blocks, layers, 64, 576] is fine.
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        # The kernel indexes blocks by stride(0) (its TMA map takes the cache's own strides),
-        # so a layer's slice of a cross-layer buffer [blocks, layers, 64, 576] is fine.
         return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
 
     @classmethod
@@ -105,9 +107,12 @@ class MLADenseMetadataBuilder(MLACommonMetadataBuilder[MLADenseMetadata]):
                     self.decode_heads, vllm_config.cache_config.cache_dtype, max_q_len,
                     self._cudagraph_support.name)
 
+    # max_query_len: passed since vLLM 0.33 (the decode rows' longest query); the uniform
+    # query length comes from the token count either way.
     def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len,
                       query_start_loc_cpu, query_start_loc_device, num_decode_tokens,
-                      dcp_tot_seq_lens_device) -> MLADenseDecodeMetadata:
+                      dcp_tot_seq_lens_device, max_query_len: int | None = None
+                      ) -> MLADenseDecodeMetadata:
         batch, s_q = decode_shape(block_table_tensor.shape[0], num_decode_tokens)
         plan = ops.plan_decode(seq_lens_device, s_q, self.decode_heads,
                                kv_cache_dtype=self.kv_cache_dtype, workspace=self.workspace)
@@ -116,7 +121,12 @@ class MLADenseMetadataBuilder(MLACommonMetadataBuilder[MLADenseMetadata]):
 
 
 class MLADenseImpl(MLACommonImpl[MLADenseMetadata]):
+    # Decode context parallelism: vLLM all-gathers the heads (the plan covers heads x DCP
+    # ranks), decodes each rank's shard of the sequence and merges the shards by our lse.
     can_return_lse_for_decode: bool = True
+    supports_dcp: bool = True
+    # Prefill context parallelism is untested with our decode: vLLM 0.33 defaults it to True.
+    supports_pcp: bool = False
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                  kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,

@@ -23,6 +23,12 @@ def register() -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from .version import unsupported_reason
+
+    unsupported = unsupported_reason()
+    if unsupported:  # registered all the same: selecting CUSTOM then says why it cannot run
+        _logger.warning("mla_backend: %s", unsupported)
+
     try:
         current = AttentionBackendEnum.CUSTOM.get_path()
     except ValueError:  # CUSTOM is empty until someone registers it

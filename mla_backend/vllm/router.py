@@ -16,7 +16,7 @@ from typing import ClassVar
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.attention.backend import AttentionBackend
 
-from . import support
+from . import support, version
 
 DENSE_BACKEND = "mla_backend.vllm.dense.MLADenseBackend"
 SPARSE_BACKEND = "mla_backend.vllm.sparse.MLASparseBackend"
@@ -39,6 +39,9 @@ class MLABackendRouter(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, **selector_config) -> list[str]:
+        unsupported = version.unsupported_reason()
+        if unsupported:  # before importing an adapter written for another interface
+            return [unsupported]
         use_mla = bool(selector_config.get("use_mla"))
         use_sparse = bool(selector_config.get("use_sparse"))
         if not use_mla:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _extension, ops
+from . import version
 
 NAME = "MLA_BACKEND"
 HEAD_SIZE = ops.D_QK  # 512 latent + 64 rope
@@ -67,21 +68,28 @@ def dense_combination_reason(head_size: int, dtype: torch.dtype, kv_cache_dtype:
     return _platform_reason(block_size, device_capability) or config_reason()
 
 
-def _query_tokens_per_draft(spec) -> int:
-    """Query tokens each speculative token adds to a decode row: 2 with parallel drafting."""
-    return 2 if spec.parallel_drafting else 1
+def _query_tokens_per_draft(vllm_config) -> int:
+    """Query tokens each speculative token adds to a decode row: 2 with parallel drafting,
+    except on model runner V2, whose drafters add one (vLLM 0.31 made the runner's
+    threshold follow this: vllm.v1.attention.backend.max_decode_query_len)."""
+    spec = vllm_config.speculative_config
+    if not spec.parallel_drafting:
+        return 1
+    if version.at_least((0, 31, 0)) and vllm_config.use_v2_model_runner:
+        return 1
+    return 2
 
 
 def max_decode_query_len(vllm_config) -> int:
     """Query tokens per request that vLLM sends down the decode path (1, or 1 + the
-    speculative tokens, doubled drafts with parallel drafting): the builder's
-    reorder_batch_threshold for a backend with QueryLenSupport.UNIFORM and no DCP."""
+    speculative tokens, doubled drafts with parallel drafting on model runner V1): the
+    builder's reorder_batch_threshold for a backend with QueryLenSupport.UNIFORM and no DCP."""
     spec = vllm_config.speculative_config
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         return 1
     if spec is None or spec.num_speculative_tokens is None:
         return 1
-    return 1 + _query_tokens_per_draft(spec) * spec.num_speculative_tokens
+    return 1 + _query_tokens_per_draft(vllm_config) * spec.num_speculative_tokens
 
 
 def decode_heads(vllm_config) -> int:
@@ -104,7 +112,7 @@ def config_reason(vllm_config=None) -> str | None:
                 f"parallel size): {NAME} decodes at most {ops.MAX_HEADS}")
     q_len = max_decode_query_len(vllm_config)
     if q_len > ops.MAX_Q_TOKENS_PER_REQ:
-        per_draft = _query_tokens_per_draft(vllm_config.speculative_config)
+        per_draft = _query_tokens_per_draft(vllm_config)
         how = " (1 + 2 x num_speculative_tokens with parallel drafting)" if per_draft == 2 else ""
         return (f"speculative decoding sends {q_len} query tokens per request to the decode "
                 f"kernel{how}; {NAME} decodes at most {ops.MAX_Q_TOKENS_PER_REQ} (use "
@@ -145,11 +153,19 @@ def sparse_config_reason(vllm_config=None) -> str | None:
     if vllm_config is None or vllm_config.model_config is None:
         return None
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        if version.at_least((0, 33, 0)):  # FLASHMLA_SPARSE runs DCP on Hopper in vLLM 0.33
+            return (f"decode context parallelism with DeepSeek-V3.2: {NAME}'s sparse path does "
+                    f"not run it; use --decode-context-parallel-size 1, or --attention-backend "
+                    f"FLASHMLA_SPARSE")
         # vLLM 0.25 on Hopper: FLASHMLA_SPARSE returns no lse for the DCP merge,
         # FLASH_ATTN_MLA_SPARSE refuses DCP, FLASHINFER_MLA_SPARSE needs Blackwell
         return (f"decode context parallelism with DeepSeek-V3.2: neither {NAME}'s sparse path "
                 f"nor any vLLM 0.25 sparse MLA backend for Hopper runs it; use "
                 f"--decode-context-parallel-size 1")
+    if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
+        # vLLM 0.33's host-offloaded sparse cache calls the kernel on staged copies of it
+        return (f"hisparse_config (host-offloaded sparse KV cache): {NAME}'s sparse path does "
+                f"not run it; leave attention_config.hisparse_config unset")
     heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
     if heads > ops.MAX_HEADS:
         return (f"{heads} query heads per GPU (heads / tensor-parallel size): {NAME} runs at "
@@ -178,8 +194,9 @@ class HopperMLABackendMixin:
     def get_name() -> str:
         return NAME
 
+    # kv_cache_spec: passed since vLLM 0.31; our pages are 64 tokens whatever the spec.
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int]:
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
         return [BLOCK_SIZE]
 
     @classmethod
@@ -189,6 +206,13 @@ class HopperMLABackendMixin:
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
         return capability.major == 9
+
+    # Asked since vLLM 0.28 (adaptive verification trims drafts on the device, so the CPU
+    # query lengths no longer match): our decode rows take one query length per step, read
+    # from the CPU token counts, so such batches are refused.
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False
 
 
 def check_layer_args(alibi_slopes, sliding_window, logits_soft_cap, attn_type) -> None:
