@@ -15,6 +15,7 @@ from .support import NAME, PAGE_SIZE, page_size_reason
 
 _logger = logging.getLogger("sglang.mla_backend")
 _SERVER_ARGS_INIT = "sglang.srt.server_args.ServerArgs.__post_init__"
+DRAFT_BACKEND = "flashmla"
 _registered = False
 
 
@@ -25,9 +26,12 @@ def uses_mla_backend(server_args) -> bool:
                     getattr(server_args, "decode_attention_backend", None))
 
 
-def set_page_size(server_args, *args, **kwargs) -> None:
-    """BEFORE hook on ServerArgs.__post_init__: an unset --page-size becomes 64 for our
-    backend; any other explicit value is refused (SGLang shows the ValueError)."""
+def set_defaults(server_args, *args, **kwargs) -> None:
+    """BEFORE hook on ServerArgs.__post_init__, for our backend: an unset --page-size becomes
+    64 (any other explicit value is refused; SGLang shows the ValueError), and with speculative
+    decoding an unset --speculative-draft-attention-backend becomes flashmla (SGLang builds the
+    draft model's multi-step backends from a fixed list of names; the target model, whose
+    verify steps run on our kernel, stays on mla_backend)."""
     if not uses_mla_backend(server_args):
         return None
     if server_args.page_size is None:
@@ -36,6 +40,11 @@ def set_page_size(server_args, *args, **kwargs) -> None:
     reason = page_size_reason(server_args.page_size)
     if reason:
         raise ValueError(reason)
+    if (getattr(server_args, "speculative_algorithm", None)
+            and not getattr(server_args, "speculative_draft_attention_backend", None)):
+        server_args.speculative_draft_attention_backend = DRAFT_BACKEND
+        _logger.info("%s: the draft model runs on --speculative-draft-attention-backend %s",
+                     NAME, DRAFT_BACKEND)
     return None
 
 
@@ -57,7 +66,7 @@ def create_backend(runner):
 
 def register() -> None:
     """Add `mla_backend` to SGLang's attention-backend choices, register its factory and the
-    page-size hooks (once per process)."""
+    ServerArgs hooks (once per process)."""
     global _registered
     if _registered:
         return
@@ -76,6 +85,6 @@ def register() -> None:
     if NAME not in CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS:
         add_chunked_prefix_cache_attention_backend(NAME)
     register_attention_backend(NAME)(create_backend)
-    HookRegistry.register(_SERVER_ARGS_INIT, set_page_size, HookType.BEFORE)
+    HookRegistry.register(_SERVER_ARGS_INIT, set_defaults, HookType.BEFORE)
     HookRegistry.register(_SERVER_ARGS_INIT, check_page_size, HookType.AFTER)
     _registered = True

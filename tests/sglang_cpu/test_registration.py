@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from types import SimpleNamespace
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_choice_and_factory_registered_once():
     assert CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS.count(NAME) == 1
     assert ATTENTION_BACKENDS[NAME] is registration.create_backend
     hooks = [h for _, h, _ in HookRegistry._hooks[registration._SERVER_ARGS_INIT]]
-    assert hooks.count(registration.set_page_size) == 1
+    assert hooks.count(registration.set_defaults) == 1
     assert hooks.count(registration.check_page_size) == 1
 
 
@@ -138,3 +139,28 @@ def test_server_args_refuses_another_page_size(tiny_v3):
     with pytest.raises(ValueError, match="--page-size 16: mla_backend pages hold 64 tokens; "
                                          "pass --page-size 64"):
         _server_args(tiny_v3, attention_backend=NAME, page_size=16)
+
+
+def _args(**kw):
+    base = dict(attention_backend=None, prefill_attention_backend=None,
+                decode_attention_backend=None, page_size=None, speculative_algorithm=None,
+                speculative_draft_attention_backend=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_speculative_draft_backend_defaults_to_flashmla():
+    from mla_backend.sglang.registration import set_defaults
+
+    args = _args(attention_backend=NAME, speculative_algorithm="EAGLE")
+    set_defaults(args)
+    assert (args.page_size, args.speculative_draft_attention_backend) == (64, "flashmla")
+    args = _args(attention_backend=NAME, speculative_algorithm="EAGLE",
+                 speculative_draft_attention_backend="triton")
+    set_defaults(args)
+    assert args.speculative_draft_attention_backend == "triton"
+    args = _args(attention_backend=NAME)
+    set_defaults(args)
+    assert args.speculative_draft_attention_backend is None
+    args = _args(attention_backend="fa3", speculative_algorithm="EAGLE")
+    set_defaults(args)
+    assert (args.page_size, args.speculative_draft_attention_backend) == (None, None)
