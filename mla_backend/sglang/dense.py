@@ -1,6 +1,6 @@
 """Dense MLA (DeepSeek-V2/V3/R1) on mla_backend's decode kernel, for SGLang 0.5.17.
 
-What runs where: plain extends (prefill, chunked prefill, draft-extend v1, mixed batches) stay
+What runs where: plain extends (prefill, chunked prefill, mixed batches) stay
 on SGLang's FlashInfer MLA code, the parent class, exactly as SGLang's `flashmla` backend does
 it. Decode, target-verify (EAGLE chain verify, s_q = num_draft_tokens <= 8) and draft-extend
 v2 (a fixed window of num_draft_tokens queries) run on `ops.mla_decode`, with one
@@ -63,6 +63,11 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
     def __init__(self, model_runner, skip_prefill: bool = False, kv_indptr_buf=None,
                  q_indptr_decode_buf=None):
         super().__init__(model_runner, skip_prefill, kv_indptr_buf, q_indptr_decode_buf)
+        self.init_decode_state(model_runner)
+
+    def init_decode_state(self, model_runner) -> None:
+        """What our decode path keeps, beside the parent's (FlashInfer) state: heads, cache
+        dtype, draft tokens, the plan workspace, the page-table buffers."""
         config = model_runner.model_config
         self.num_q_heads = config.num_attention_heads // get_parallel().attn_tp_size
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
