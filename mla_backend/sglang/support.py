@@ -1,0 +1,90 @@
+"""What the SGLang backend accepts, as sentences SGLang shows the user.
+
+Each check returns None or one sentence that says what was asked, what we run and what to
+change; the backend's factory raises ValueError with it, which SGLang reports as the scheduler's
+start-up error. Nothing here needs a GPU: the cpu tier checks every message.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "mla_backend"
+PAGE_SIZE = 64  # ops.PAGE_SIZE, repeated here so register() does not import the ops
+LATENT_DIM = 512  # kv_lora_rank the kernels are built for
+ROPE_DIM = 64  # qk_rope_head_dim
+MAX_HEADS = 128  # ops.MAX_HEADS
+MAX_Q_TOKENS = 8  # ops.MAX_Q_TOKENS_PER_REQ
+MODEL_DTYPES = (torch.bfloat16, torch.float16)
+FP8_CACHE = torch.float8_e4m3fn
+
+
+def page_size_reason(page_size: int | None) -> str | None:
+    if page_size != PAGE_SIZE:
+        return (f"--page-size {page_size}: {NAME} pages hold {PAGE_SIZE} tokens; pass "
+                f"--page-size {PAGE_SIZE} (or leave it unset: {NAME} sets it)")
+    return None
+
+
+def model_reason(*, is_mla: bool, is_dsa: bool, kv_lora_rank: int | None,
+                 qk_rope_head_dim: int | None) -> str | None:
+    """The model: dense MLA with the 512 + 64 latent cache."""
+    if not is_mla:
+        return (f"{NAME} implements MLA attention only (DeepSeek-V2/V3/R1 and models built on "
+                f"them); this model's attention is not MLA: choose another --attention-backend")
+    if is_dsa:
+        return (f"this is a DeepSeek sparse-attention (DSA, DeepSeek-V3.2) model; {NAME} runs "
+                f"dense MLA models (DeepSeek-V2/V3/R1) in SGLang so far: leave "
+                f"--attention-backend unset (SGLang picks its dsa backend)")
+    if (kv_lora_rank, qk_rope_head_dim) != (LATENT_DIM, ROPE_DIM):
+        return (f"{NAME} runs MLA with kv_lora_rank {LATENT_DIM} and qk_rope_head_dim "
+                f"{ROPE_DIM}; this model has {kv_lora_rank} and {qk_rope_head_dim}")
+    return None
+
+
+def dtype_reason(model_dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> str | None:
+    """Model dtype bf16/fp16; cache in the model dtype, or per-tensor fp8 e4m3."""
+    if model_dtype not in MODEL_DTYPES:
+        return (f"model dtype {model_dtype}: {NAME} runs bfloat16 or float16; pass "
+                f"--dtype bfloat16")
+    if kv_cache_dtype == FP8_CACHE or kv_cache_dtype == model_dtype:
+        return None
+    if kv_cache_dtype == torch.float8_e5m2:
+        return (f"--kv-cache-dtype fp8_e5m2: {NAME} reads a float8_e4m3fn cache (per-tensor "
+                f"scale); pass --kv-cache-dtype fp8_e4m3 or auto")
+    return (f"kv cache dtype {kv_cache_dtype} with model dtype {model_dtype}: {NAME} keeps the "
+            f"cache in the model dtype or in fp8 e4m3; pass --kv-cache-dtype auto or fp8_e4m3")
+
+
+def parallel_reason(heads_per_gpu: int, dcp_size: int) -> str | None:
+    if heads_per_gpu > MAX_HEADS:
+        return (f"{heads_per_gpu} query heads per GPU (heads / attention tensor-parallel "
+                f"size): {NAME} decodes at most {MAX_HEADS}; raise --tp-size")
+    if dcp_size > 1:
+        return (f"decode context parallelism (size {dcp_size}) is not supported by {NAME} "
+                f"in SGLang; use --attention-backend flashmla for it")
+    return None
+
+
+def speculative_reason(num_draft_tokens: int | None, eagle_topk: int | None) -> str | None:
+    """Speculative decoding sends num_draft_tokens query tokens per request to verify, as a
+    chain (causal within the request's block): no draft tree."""
+    if eagle_topk is not None and eagle_topk > 1:
+        return (f"--speculative-eagle-topk {eagle_topk}: {NAME} verifies a chain of draft "
+                f"tokens (causal), not a tree; use --speculative-eagle-topk 1")
+    if num_draft_tokens and num_draft_tokens > MAX_Q_TOKENS:
+        return (f"--speculative-num-draft-tokens {num_draft_tokens}: {NAME} verifies at most "
+                f"{MAX_Q_TOKENS} query tokens per request; use {MAX_Q_TOKENS} or fewer")
+    return None
+
+
+def platform_reason(device_capability: tuple[int, int] | None,
+                    extension_error: str | None) -> str | None:
+    """GPU and extension. extension_error: why the extension did not load (None: loaded)."""
+    if device_capability is not None and device_capability[0] != 9:
+        major, minor = device_capability
+        return (f"{NAME} kernels run on Hopper GPUs (compute capability 9.x, sm_90a); this GPU "
+                f"is {major}.{minor}: choose another --attention-backend (e.g. flashinfer)")
+    if extension_error is not None:
+        return f"{NAME}'s CUDA extension is not available{extension_error}"
+    return None
