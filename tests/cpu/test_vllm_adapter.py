@@ -18,9 +18,15 @@ from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 from mla_backend import _extension  # noqa: E402
 from mla_backend.vllm import support, version  # noqa: E402
 from mla_backend_entry import vllm_plugin  # noqa: E402
-from tests.cpu.vllm_env import V033, V32, model_dir, vllm_config  # noqa: E402
+from tests.cpu.vllm_env import (  # noqa: E402
+    HOPPER,
+    V033,
+    V32,
+    model_dir,
+    select_backend,
+    vllm_config,
+)
 
-HOPPER = DeviceCapability(9, 0)
 DENSE = "mla_backend.vllm.dense.MLADenseBackend"
 SPARSE = "mla_backend.vllm.sparse.MLASparseBackend"
 
@@ -35,27 +41,6 @@ def extension_present(monkeypatch):
     monkeypatch.setattr(_extension, "is_available", lambda: True)
 
 
-def _select(capability=HOPPER, **overrides):
-    """What CudaPlatform.get_attn_backend_cls does with a selected backend in vLLM 0.25 and
-    0.33 alike (platforms/cuda.py; that module needs libcuda to import, so its three steps
-    are spelled out): validate the registered class, raise with the reasons, else return
-    the path of the class it names."""
-    fields = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
-                  use_mla=True, has_sink=False, use_sparse=False, use_mm_prefix=False,
-                  use_per_head_quant_scales=False, attn_type="decoder")
-    fields.update(overrides)
-    unknown = set(fields) - set(AttentionSelectorConfig._fields)
-    assert not unknown, f"this vLLM's selector has no {unknown}: branch the test on V033"
-    selected = AttentionBackendEnum.CUSTOM
-    backend_class = selected.get_class()
-    reasons = backend_class.validate_configuration(
-        device_capability=capability, **AttentionSelectorConfig(**fields)._asdict())
-    if reasons:
-        raise ValueError(f"Selected backend {selected} is not valid for this configuration. "
-                         f"Reason: {reasons}")
-    return ".".join(backend_class.full_cls_name())
-
-
 def test_custom_resolves_to_the_router():
     from mla_backend.vllm.router import MLABackendRouter
 
@@ -67,7 +52,7 @@ def test_custom_resolves_to_the_router():
 @pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e4m3", None])
 @pytest.mark.parametrize("block_size", [None, 64, 128])
 def test_selection_accepts_what_we_claim(extension_present, dtype, kv, block_size):
-    assert _select(dtype=dtype, kv_cache_dtype=kv, block_size=block_size) == DENSE
+    assert select_backend(dtype=dtype, kv_cache_dtype=kv, block_size=block_size) == DENSE
     from mla_backend.vllm.dense import MLADenseBackend
 
     assert MLADenseBackend.get_name() == "MLA_BACKEND"
@@ -81,8 +66,8 @@ def test_selection_accepts_what_we_claim(extension_present, dtype, kv, block_siz
 
 
 def test_selection_accepts_matching_16_bit_cache_dtypes(extension_present):
-    assert _select(dtype=torch.bfloat16, kv_cache_dtype="bfloat16") == DENSE
-    assert _select(dtype=torch.float16, kv_cache_dtype="float16") == DENSE
+    assert select_backend(dtype=torch.bfloat16, kv_cache_dtype="bfloat16") == DENSE
+    assert select_backend(dtype=torch.float16, kv_cache_dtype="float16") == DENSE
 
 
 @pytest.mark.parametrize("overrides, capability, reason", [
@@ -100,7 +85,7 @@ def test_selection_accepts_matching_16_bit_cache_dtypes(extension_present):
 def test_selection_rejects_with_our_reason(extension_present, overrides, capability, reason):
     with pytest.raises(ValueError, match=r"Selected backend AttentionBackendEnum.CUSTOM is not "
                                          r"valid for this configuration") as err:
-        _select(capability=capability, **overrides)
+        select_backend(capability=capability, **overrides)
     assert re.search(reason, str(err.value)), str(err.value)
 
 
@@ -109,7 +94,7 @@ def test_selection_without_the_extension_says_how_to_build(monkeypatch):
     monkeypatch.setattr(_extension, "load_error", lambda: "no mla_backend/_C*.so")
     with pytest.raises(ValueError, match=r"CUDA extension is not available \(no mla_backend"
                                          r"/_C\*\.so; install: .*pip install --no-build"):
-        _select()
+        select_backend()
 
 
 @pytest.mark.parametrize("found", ["0.24.0", "0.30.0", "0.34.0", "1.0.0", "nightly"])
@@ -118,7 +103,7 @@ def test_selection_refuses_an_unsupported_vllm_naming_both_versions(
         monkeypatch, extension_present, found, use_sparse):
     monkeypatch.setattr(version, "installed", lambda: found)
     with pytest.raises(ValueError) as err:
-        _select(use_sparse=use_sparse)
+        select_backend(use_sparse=use_sparse)
     assert (f"vLLM {found} is installed; MLA_BACKEND supports vLLM 0.25.x and 0.33.x (tested on "
             f"0.25.0 and 0.33.0)") in str(err.value)
 
@@ -158,16 +143,16 @@ def test_context_parallel_and_adaptive_verification_claims(extension_present):
         return
     assert MLASparseBackend.get_impl_cls().supports_dcp is False
     assert MLASparseBackend.get_impl_cls().supports_pcp is False
-    assert _select(use_dcp=True) == DENSE
+    assert select_backend(use_dcp=True) == DENSE
     with pytest.raises(ValueError, match="PCP not supported"):
-        _select(use_pcp=True)
+        select_backend(use_pcp=True)
     with pytest.raises(ValueError, match="device-cpu query lens mismatch not supported"):
-        _select(use_adaptive_verification=True)
-    assert _select(use_sparse=True, use_adaptive_verification=True) == SPARSE
+        select_backend(use_adaptive_verification=True)
+    assert select_backend(use_sparse=True, use_adaptive_verification=True) == SPARSE
     with pytest.raises(ValueError, match="DCP not supported"):
-        _select(use_sparse=True, use_dcp=True)
+        select_backend(use_sparse=True, use_dcp=True)
     with pytest.raises(ValueError, match="PCP not supported"):
-        _select(use_sparse=True, use_pcp=True)
+        select_backend(use_sparse=True, use_pcp=True)
 
 
 # ----------------------------------------------------------------------- engine config
@@ -215,12 +200,12 @@ def test_spec_decode_refusal_names_the_limit_that_applies(tmp_path, monkeypatch)
 @pytest.mark.parametrize("kv", ["auto", "bfloat16", "fp8_ds_mla", None])
 @pytest.mark.parametrize("block_size", [None, 64])
 def test_sparse_selection_accepts_what_we_claim(extension_present, kv, block_size):
-    assert _select(use_sparse=True, kv_cache_dtype=kv, block_size=block_size) == SPARSE
+    assert select_backend(use_sparse=True, kv_cache_dtype=kv, block_size=block_size) == SPARSE
     from mla_backend.vllm.sparse import MLASparseBackend
 
     assert MLASparseBackend.is_sparse() and MLASparseBackend.is_mla()
     # the same CUSTOM registration still gives the dense backend to a dense model
-    assert _select() == DENSE
+    assert select_backend() == DENSE
 
 
 def test_sparse_backend_uses_the_path_of_the_installed_release():
@@ -254,7 +239,7 @@ def test_sparse_backend_uses_the_path_of_the_installed_release():
 def test_sparse_selection_rejects_with_our_reason(extension_present, overrides, capability,
                                                   reason):
     with pytest.raises(ValueError, match="is not valid for this configuration") as err:
-        _select(capability=capability, use_sparse=True, **overrides)
+        select_backend(capability=capability, use_sparse=True, **overrides)
     assert re.search(reason, str(err.value)), str(err.value)
 
 

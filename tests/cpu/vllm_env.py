@@ -2,7 +2,8 @@
 0.33: engine configs of a tiny DeepSeek model, CommonAttentionMetadata of a hand-worked
 batch, the MLA layer a metadata builder looks up, and CPU stand-ins for the GPU-only
 pieces (our planner; vLLM's Triton token-to-request map and top-k conversion), each
-computing what the GPU code computes so the tests can check the adapters' arithmetic."""
+computing what the GPU code computes so the tests can check the adapters' arithmetic; and
+vLLM's selection step for the CUSTOM backend."""
 
 import json
 import types
@@ -18,7 +19,10 @@ from vllm.config import (
     SpeculativeConfig,
     VllmConfig,
 )
+from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.selector import AttentionSelectorConfig
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from mla_backend import ops
@@ -29,6 +33,8 @@ from mla_backend.vllm import version
 V033 = version.parse(vllm.__version__)[:2] == (0, 33)
 V025 = version.parse(vllm.__version__)[:2] == (0, 25)
 assert V033 or V025, f"the adapter tests know vLLM 0.25 and 0.33; installed {vllm.__version__}"
+
+HOPPER = DeviceCapability(9, 0)
 
 V32 = {"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 256, "index_n_heads": 4,
        "index_head_dim": 128}
@@ -199,3 +205,24 @@ def host_without_gpu(monkeypatch):
     for name, module in list(sys.modules.items()):
         if name.startswith("vllm") and getattr(module, "PIN_MEMORY", None) is True:
             monkeypatch.setattr(module, "PIN_MEMORY", False)
+
+
+def select_backend(capability=HOPPER, **overrides):
+    """What CudaPlatform.get_attn_backend_cls does with a selected backend in vLLM 0.25 and
+    0.33 alike (platforms/cuda.py; that module needs libcuda to import, so its three steps
+    are spelled out): validate the registered class, raise with the reasons, else return
+    the path of the class it names."""
+    fields = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
+                  use_mla=True, has_sink=False, use_sparse=False, use_mm_prefix=False,
+                  use_per_head_quant_scales=False, attn_type="decoder")
+    fields.update(overrides)
+    unknown = set(fields) - set(AttentionSelectorConfig._fields)
+    assert not unknown, f"this vLLM's selector has no {unknown}: branch the test on V033"
+    selected = AttentionBackendEnum.CUSTOM
+    backend_class = selected.get_class()
+    reasons = backend_class.validate_configuration(
+        device_capability=capability, **AttentionSelectorConfig(**fields)._asdict())
+    if reasons:
+        raise ValueError(f"Selected backend {selected} is not valid for this configuration. "
+                         f"Reason: {reasons}")
+    return ".".join(backend_class.full_cls_name())
