@@ -59,10 +59,11 @@ def _kernel_spy(monkeypatch, op, heads=H):
 
     def spy(q, kv_cache, *args, **kwargs):
         calls.append((q, kv_cache, args, kwargs))
-        b, s, h = q.shape[:3]
+        first = q[0] if isinstance(q, tuple) else q
+        b, s, h = first.shape[:3]
         tag = (64 * torch.arange(b)[:, None, None] + 16 * torch.arange(s)[None, :, None]
                + torch.arange(h)[None, None, :]).float()
-        return tag[..., None].expand(b, s, h, ops.D_V).to(q.dtype), -tag
+        return tag[..., None].expand(b, s, h, ops.D_V).to(first.dtype), -tag
 
     monkeypatch.setattr(ops, op, spy)
     return calls
@@ -97,10 +98,12 @@ def test_dense_forward_hands_the_kernel_the_decode_rows(tmp_path, monkeypatch, s
 
     (q, kv_cache, args, kwargs), = calls
     block_table, seq_lens, plan, scale = args
-    # q: one contiguous [batch, s_q, H, 576] tensor, the latent part then the rope part
-    assert q.shape == (3, s_q, H, 576) and q.is_contiguous() and q.dtype == torch.bfloat16
-    assert torch.equal(q[..., :512].reshape(-1, H, 512), ql_nope)
-    assert torch.equal(q[..., 512:].reshape(-1, H, 64), q_pe)
+    # q: the two parts as vLLM passed them, viewed [batch, s_q, H, 512 | 64], never copied
+    q_nope, q_rope = q
+    assert q_nope.shape == (3, s_q, H, 512) and q_rope.shape == (3, s_q, H, 64)
+    assert q_nope.data_ptr() == ql_nope.data_ptr() and q_rope.data_ptr() == q_pe.data_ptr()
+    assert torch.equal(q_nope.reshape(-1, H, 512), ql_nope)
+    assert torch.equal(q_rope.reshape(-1, H, 64), q_pe)
     assert kv_cache is cache
     assert block_table is md.decode.block_table and seq_lens is md.decode.seq_lens
     assert seq_lens.tolist() == [40, 130, 7] and block_table[:, 0].tolist() == [7, 15, 23]
@@ -150,10 +153,12 @@ def test_dense_layer_forward_through_vllm(tmp_path, monkeypatch, kv):
                               output)
 
     (kq, kv_cache, args, kwargs), = calls
-    assert kq.shape == (3, 1, H, 576) and kq.is_contiguous()
+    kq_nope, kq_pe = kq  # the two parts, as the layer made them (no copy joins them)
+    assert kq_nope.shape == (3, 1, H, 512) and kq_pe.shape == (3, 1, H, 64)
     ql_nope = torch.bmm(q[..., :128].transpose(0, 1), w_uk_t).transpose(0, 1)
-    assert torch.equal(kq[:, 0, :, :512], ql_nope)
-    assert torch.equal(kq[:, 0, :, 512:], q[..., 128:])
+    assert torch.equal(kq_nope[:, 0], ql_nope)
+    assert torch.equal(kq_pe[:, 0], q[..., 128:])
+    assert kq_pe.data_ptr() == q[..., 128:].data_ptr()
     # the fp8 cache reaches the kernel as float8_e4m3fn (vLLM views the uint8 storage)
     assert kv_cache.dtype == (torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16)
     assert kv_cache.data_ptr() == cache.data_ptr()
