@@ -9,7 +9,8 @@
 - kernel adapters and their correctness measure (Kernel, NotApplicable, rel_l2)
 - rotating-set sizing against the L2 cache (rotating_sets)
 - result rows, the results file in design.md's shape, and the printed table (BenchRow,
-  write_results, print_table, print_summary)
+  write_results, print_table, print_summary); rows of a bench that also reports a per-layer
+  time (dense decode: metadata amortized over a step's layers) carry and lead with it
 - run metadata: GPU name and slug, date, git commit
 
 Nothing here imports a peer library or the mla_backend extension: a bench script brings its
@@ -40,6 +41,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 # kernel never re-reads a KV cache that the previous call left in L2.
 L2_BYTES = 50 * 2**20
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def log(*parts: object) -> None:
@@ -215,12 +217,14 @@ def round_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
     return [[names[(i + j) % n] for j in range(n)] for i in range(rounds)] if n else []
 
 
-def time_in_rounds(timers: dict[str, Callable[[], Timing]], rounds: int,
-                   failed: Callable[[str, Exception], None]) -> dict[str, list[Timing]]:
-    """Call each kernel's timer once per round, in round_orders' order. A timer that raises
-    is reported through failed(name, e) (which may raise in turn) and not called again.
-    Returns the timings, one per round, of the kernels that never failed."""
-    timings: dict[str, list[Timing]] = {name: [] for name in timers}
+def time_in_rounds(timers: dict[str, Callable[[], R]], rounds: int,
+                   failed: Callable[[str, Exception], None]) -> dict[str, list[R]]:
+    """Call each kernel's timer once per round, in round_orders' order. A timer returns one
+    round's timing(s) of its kernel (a Timing, or several where a bench times more than one
+    variant of a call). A timer that raises is reported through failed(name, e) (which may
+    raise in turn) and not called again: none of its timings count. Returns the timings,
+    one per round, of the kernels that never failed."""
+    timings: dict[str, list[R]] = {name: [] for name in timers}
     dead: set[str] = set()
     for order in round_orders(list(timers), rounds):
         for name in order:
@@ -284,10 +288,11 @@ class Kernel:
     """One kernel on one config's inputs. step(i): one timed call on input set i (metadata /
     plan included where the bench says so); check(): its output on input set 0 in the
     reference's shape (dense: (out, lse or None); sparse: out); step_premeta: the same call
-    with its metadata built once outside (a fallback for when the metadata cannot be
-    captured in a CUDA graph), or None; want: the kernel's own reference when the config's
-    does not fit it (a peer that quantizes q), or None; tol: its rel L2 limit when not the
-    bench's (shown as a note on the row)."""
+    with its per-step metadata built once outside (dense: timed as the kernel-only time
+    behind the per-layer figure, and in place of step where the metadata cannot be captured
+    in a CUDA graph), or None where the kernel has no per-step metadata timed; want: the
+    kernel's own reference when the config's does not fit it (a peer that quantizes q), or
+    None; tol: its rel L2 limit when not the bench's (shown as a note on the row)."""
 
     step: Callable[[int], object]
     check: Callable[[], Any]
@@ -316,7 +321,12 @@ def geomean(values: Sequence[float]) -> float | None:
 @dataclass
 class BenchRow:
     """One config of a bench: the JSON part (config, us, metrics, skipped) plus display-only
-    information for the printed table (times measured but not counted, notes)."""
+    information for the printed table (times measured but not counted, notes).
+
+    per_layer rows (dense decode) also carry, per counted kernel, the time with its per-step
+    metadata amortized over a step's layers (us_per_layer; = us where the kernel has no
+    per-step metadata timed) and, where it has, the kernel-only time (metadata built once
+    outside the timed calls) it comes from."""
 
     config: dict[str, Any]
     us: dict[str, float] = field(default_factory=dict)        # counted kernels only
@@ -328,25 +338,41 @@ class BenchRow:
     gbs_ours: float | None = None
     speedup_vs_best_peer: float | None = None
     pct_copy: float | None = None                             # display only
+    per_layer: bool = False                                   # the fields below are reported
+    us_per_layer: dict[str, float] = field(default_factory=dict)      # counted kernels only
+    us_kernel_only: dict[str, float] = field(default_factory=dict)    # counted, where timed
+    us_kernel_only_rounds: dict[str, list[float]] = field(default_factory=dict)
+    uncounted_us_per_layer: dict[str, float] = field(default_factory=dict)  # display only
+    tflops_ours_per_layer: float | None = None
+    gbs_ours_per_layer: float | None = None
+    speedup_vs_best_peer_per_layer: float | None = None
+    pct_copy_per_layer: float | None = None                   # display only
 
     def finalize(self, flops: float, nbytes: float, copy_bw_gbs: float | None,
                  ours: str = "ours") -> None:
-        """Fill the metrics from `us`: TFLOP/s and GB/s of ours, speedup = best peer us /
-        ours us (> 1: ours is faster)."""
-        t = self.us.get(ours)
-        peers = [v for k, v in self.us.items() if k != ours]
-        if t is None or t <= 0:
-            return
-        self.tflops_ours = flops / t / 1e6
-        self.gbs_ours = nbytes / t / 1e3
-        if copy_bw_gbs:
-            self.pct_copy = 100.0 * self.gbs_ours / copy_bw_gbs
-        if peers:
-            self.speedup_vs_best_peer = min(peers) / t
+        """Fill the metrics from `us` (and `us_per_layer`): TFLOP/s and GB/s of ours,
+        speedup = best peer us / ours us (> 1: ours is faster)."""
+        def metrics(us: dict[str, float]) -> tuple[float | None, ...]:
+            t = us.get(ours)
+            if t is None or t <= 0:
+                return None, None, None, None
+            peers = [v for k, v in us.items() if k != ours]
+            gbs = nbytes / t / 1e3
+            return (flops / t / 1e6, gbs, 100.0 * gbs / copy_bw_gbs if copy_bw_gbs else None,
+                    min(peers) / t if peers else None)
+
+        (self.tflops_ours, self.gbs_ours, self.pct_copy,
+         self.speedup_vs_best_peer) = metrics(self.us)
+        if self.per_layer:
+            (self.tflops_ours_per_layer, self.gbs_ours_per_layer, self.pct_copy_per_layer,
+             self.speedup_vs_best_peer_per_layer) = metrics(self.us_per_layer)
 
     def to_json(self) -> dict[str, Any]:
         def rnd(v: float | None, nd: int) -> float | None:
             return None if v is None else round(v, nd)
+
+        def rounds(d: dict[str, list[float]]) -> dict[str, list[float]]:
+            return {k: [round(v, 2) for v in vs] for k, vs in d.items()}
 
         doc = {
             "config": dict(self.config),
@@ -357,7 +383,17 @@ class BenchRow:
             "skipped": dict(self.skipped),
         }
         if self.us_rounds:  # benches that time in rounds: `us` is the median of these
-            doc["us_rounds"] = {k: [round(v, 2) for v in vs] for k, vs in self.us_rounds.items()}
+            doc["us_rounds"] = rounds(self.us_rounds)
+        if self.per_layer:
+            doc.update({
+                "us_per_layer": {k: round(v, 2) for k, v in self.us_per_layer.items()},
+                "tflops_ours_per_layer": rnd(self.tflops_ours_per_layer, 1),
+                "gbs_ours_per_layer": rnd(self.gbs_ours_per_layer, 1),
+                "speedup_vs_best_peer_per_layer": rnd(self.speedup_vs_best_peer_per_layer, 4),
+                "us_kernel_only": {k: round(v, 2) for k, v in self.us_kernel_only.items()},
+            })
+            if self.us_kernel_only_rounds:
+                doc["us_kernel_only_rounds"] = rounds(self.us_kernel_only_rounds)
         return doc
 
 
@@ -377,17 +413,20 @@ def resolve_out(out: str | None, job: str, gpu: str, date: str) -> Path:
 
 
 def write_results(path: Path, *, job: str, gpu: str, date: str, commit: str,
-                  copy_bw_gbs: float | None, rows: Sequence[BenchRow]) -> dict[str, Any]:
+                  copy_bw_gbs: float | None, rows: Sequence[BenchRow],
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write design.md's results shape (every bench writes the same): job, gpu, date,
     commit, copy_bandwidth_gbs, rows[config, us, tflops_ours, gbs_ours,
-    speedup_vs_best_peer, skipped, and us_rounds where a bench times in rounds]. Written
-    atomically (tmp file + rename)."""
+    speedup_vs_best_peer, skipped, us_rounds where a bench times in rounds, and the per-layer
+    fields of per_layer rows], plus a bench's own top-level `extra` keys (before "rows").
+    Written atomically (tmp file + rename)."""
     doc = {
         "job": job,
         "gpu": gpu,
         "date": date,
         "commit": commit,
         "copy_bandwidth_gbs": None if copy_bw_gbs is None else round(copy_bw_gbs, 1),
+        **(extra or {}),
         "rows": [r.to_json() for r in rows],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -414,36 +453,55 @@ def _config_label_keys(rows: Sequence[BenchRow]) -> list[str]:
 class Table:
     """Fixed-width table: config columns, one us column per kernel, ours TF/s, GB/s,
     %copy, speedup. Cells: '12.3' counted, '12.3!' measured but not counted (failed the
-    correctness gate), '12.3*' counted with a note, '-' skipped."""
+    correctness gate), '12.3*' counted with a note, '-' skipped.
+
+    per_layer (dense decode): a kernel's cell is 'per layer/per call' where it has per-step
+    metadata timed (one number where it has none: both are the same), TF/s, GB/s and %copy
+    are ours per layer, and two speedups follow, per layer then per call."""
 
     def __init__(self, config_keys: Sequence[str], kernels: Sequence[str],
-                 kernel_width: int = 9) -> None:
+                 kernel_width: int = 9, *, per_layer: bool = False) -> None:
         self.config_keys = list(config_keys)
         self.kernels = list(kernels)
+        self.per_layer = per_layer
+        if per_layer:
+            kernel_width = max(kernel_width, 14)   # '1174.5/1180.2!'
         self.cw = {k: max(len(k), 6) for k in self.config_keys}
         self.kw = {k: max(kernel_width, len(k)) for k in self.kernels}
 
     def header(self) -> str:
         cfg = " ".join(f"{k:>{self.cw[k]}}" for k in self.config_keys)
         ker = " ".join(f"{k:>{self.kw[k]}}" for k in self.kernels)
-        return f"{cfg} | {ker} | {'TF/s':>6} {'GB/s':>6} {'%copy':>6} {'speedup':>7}"
+        tail = (f"{'sp/layer':>8} {'sp/call':>8}" if self.per_layer else f"{'speedup':>7}")
+        return f"{cfg} | {ker} | {'TF/s':>6} {'GB/s':>6} {'%copy':>6} {tail}"
+
+    def _cell(self, r: BenchRow, k: str) -> str:
+        counted = k in r.us
+        us = r.us.get(k, r.uncounted_us.get(k))
+        if us is None:
+            return "-"
+        cell = f"{us:.1f}"
+        per_layer = r.us_per_layer.get(k) if counted else r.uncounted_us_per_layer.get(k)
+        if self.per_layer and per_layer is not None and (not counted or k in r.us_kernel_only):
+            cell = f"{per_layer:.1f}/{cell}"
+        if not counted:
+            return cell + "!"
+        return cell + ("*" if k in r.notes else "")
 
     def line(self, r: BenchRow) -> str:
         cfg = " ".join(f"{str(r.config.get(k, '')):>{self.cw[k]}}" for k in self.config_keys)
-        cells = []
-        for k in self.kernels:
-            if k in r.us:
-                cell = f"{r.us[k]:.1f}" + ("*" if k in r.notes else "")
-            elif k in r.uncounted_us:
-                cell = f"{r.uncounted_us[k]:.1f}!"
-            else:
-                cell = "-"
-            cells.append(f"{cell:>{self.kw[k]}}")
-        tf = "-" if r.tflops_ours is None else f"{r.tflops_ours:.1f}"
-        gb = "-" if r.gbs_ours is None else f"{r.gbs_ours:.0f}"
-        pc = "-" if r.pct_copy is None else f"{r.pct_copy:.1f}%"
-        sp = "-" if r.speedup_vs_best_peer is None else f"{r.speedup_vs_best_peer:.3f}"
-        return f"{cfg} | {' '.join(cells)} | {tf:>6} {gb:>6} {pc:>6} {sp:>7}"
+        cells = " ".join(f"{self._cell(r, k):>{self.kw[k]}}" for k in self.kernels)
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        if self.per_layer:
+            metrics = (r.tflops_ours_per_layer, r.gbs_ours_per_layer, r.pct_copy_per_layer)
+            tail = (f"{fmt(r.speedup_vs_best_peer_per_layer, '.3f'):>8} "
+                    f"{fmt(r.speedup_vs_best_peer, '.3f'):>8}")
+        else:
+            metrics = (r.tflops_ours, r.gbs_ours, r.pct_copy)
+            tail = f"{fmt(r.speedup_vs_best_peer, '.3f'):>7}"
+        tf, gb, pc = fmt(metrics[0], ".1f"), fmt(metrics[1], ".0f"), fmt(metrics[2], ".1f")
+        pc = pc if pc == "-" else pc + "%"
+        return f"{cfg} | {cells} | {tf:>6} {gb:>6} {pc:>6} {tail}"
 
 
 def print_table(rows: Sequence[BenchRow], kernels: Sequence[str],
@@ -451,13 +509,22 @@ def print_table(rows: Sequence[BenchRow], kernels: Sequence[str],
     if not rows:
         log("(no rows)")
         return
-    table = Table(_config_label_keys(rows), kernels)
+    per_layer = any(r.per_layer for r in rows)
+    table = Table(_config_label_keys(rows), kernels, per_layer=per_layer)
     hdr = table.header()
     log("=" * len(hdr))
     log("copy bandwidth (read+write): " +
         ("n/a" if copy_bw_gbs is None else f"{copy_bw_gbs:.0f} GB/s"))
-    log("us per call; TF/s, GB/s, %copy: ours; speedup = best peer us / ours us;"
-        " '!' failed the correctness gate (not counted), '*' see notes, '-' skipped")
+    if per_layer:
+        log("us 'per layer/per call': per call with the kernel's per-step metadata in every"
+            " call, per layer with it amortized over a step's layers; one number: no per-step"
+            " metadata timed (the two are the same)")
+        log("TF/s, GB/s, %copy: ours per layer; sp/layer, sp/call = best peer us / ours us,"
+            " per layer and per call; '!' failed the correctness gate (not counted), '*' see"
+            " notes, '-' skipped")
+    else:
+        log("us per call; TF/s, GB/s, %copy: ours; speedup = best peer us / ours us;"
+            " '!' failed the correctness gate (not counted), '*' see notes, '-' skipped")
     log(hdr)
     log("-" * len(hdr))
     for r in rows:
@@ -479,24 +546,41 @@ def config_label(config: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in config.items())
 
 
+def _summary(rows: Sequence[BenchRow], us_field: str, speedup_field: str, what: str
+             ) -> float | None:
+    """Logs the rows below 1.0x and the worst row of one speedup field of `rows`; returns
+    the geometric mean (None where no row has that speedup)."""
+    with_sp = [(getattr(r, speedup_field), r) for r in rows
+               if getattr(r, speedup_field) is not None]
+    if not with_sp:
+        return None
+    worst_sp, worst = min(with_sp, key=lambda t: t[0])
+    us = getattr(worst, us_field)
+    below = sum(1 for sp, _ in with_sp if sp < 1.0)
+    best_peer = min((k for k in us if k != "ours"), key=lambda k: us[k], default="?")
+    log(f"{what + ': ' if what else ''}rows below 1.0x: {below}/{len(with_sp)}; worst row: "
+        f"{config_label(worst.config)}: {worst_sp:.3f}x (ours {us.get('ours', float('nan')):.1f}"
+        f" us vs {best_peer} {us.get(best_peer, float('nan')):.1f} us)")
+    return geomean([sp for sp, _ in with_sp])
+
+
 def print_summary(rows: Sequence[BenchRow]) -> None:
     """Geometric mean of speedup_vs_best_peer over the rows that have one, and the worst
-    row (printed last)."""
-    with_sp = [(r.speedup_vs_best_peer, r) for r in rows if r.speedup_vs_best_peer is not None]
-    if not with_sp:
+    row (printed last); for per_layer rows the per-layer figures first, then per call."""
+    n_sp = sum(1 for r in rows if r.speedup_vs_best_peer is not None)
+    if not n_sp:
         log("speedup vs best peer: no row has both ours and a peer")
         return
-    gm = geomean([sp for sp, _ in with_sp])
-    worst_sp, worst = min(with_sp, key=lambda t: t[0])
-    below = sum(1 for sp, _ in with_sp if sp < 1.0)
-    missing = len(rows) - len(with_sp)
-    log(f"rows with a speedup: {len(with_sp)}/{len(rows)}"
-        + (f" ({missing} without ours or without any peer)" if missing else "")
-        + f"; rows below 1.0x: {below}")
-    best_peer = min((k for k in worst.us if k != "ours"), key=lambda k: worst.us[k],
-                    default="?")
-    log(f"worst row: {config_label(worst.config)}: {worst_sp:.3f}x "
-        f"(ours {worst.us.get('ours', float('nan')):.1f} us vs {best_peer} "
-        f"{worst.us.get(best_peer, float('nan')):.1f} us)")
-    log(f"geometric mean speedup_vs_best_peer: {gm:.3f}x" if gm is not None else
-        "geometric mean speedup_vs_best_peer: n/a")
+    missing = len(rows) - n_sp
+    log(f"rows with a speedup: {n_sp}/{len(rows)}"
+        + (f" ({missing} without ours or without any peer)" if missing else ""))
+    if not any(r.per_layer for r in rows):
+        gm = _summary(rows, "us", "speedup_vs_best_peer", "")
+        log(f"geometric mean speedup_vs_best_peer: {gm:.3f}x" if gm is not None else
+            "geometric mean speedup_vs_best_peer: n/a")
+        return
+    gm_layer = _summary(rows, "us_per_layer", "speedup_vs_best_peer_per_layer", "per layer")
+    gm_call = _summary(rows, "us", "speedup_vs_best_peer", "per call")
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}x"  # noqa: E731
+    log(f"geometric mean speedup vs best peer: per layer {fmt(gm_layer)} "
+        f"(speedup_vs_best_peer_per_layer), per call {fmt(gm_call)} (speedup_vs_best_peer)")

@@ -19,24 +19,35 @@ Kernels (bf16 cache [num_blocks, 64, 576], int32 block table / seq lens, causal,
 The calls follow /work/shared/reference/peers_probe.py (how vLLM's backends call them); each
 kernel's adapter is in bench/peers/, the inputs and the correctness gate in bench/dense_inputs.py.
 
-What is timed, per call (a CUDA graph of many calls, see bench.common.time_graph):
-  ours            plan_decode (GPU planner, no host sync) + mla_decode. vLLM plans once per
-                  step for all layers; the plan is inside every timed call to be conservative.
+Two times per kernel and row (each a CUDA graph of many calls, see bench.common.time_graph):
+  per call     the kernel's per-step metadata inside every timed call (Kernel.step): the
+               conservative figure, `us` and `speedup_vs_best_peer` in the results file
+  per layer    the headline: vLLM builds the metadata once per step for all of a model's
+               layers (61 in DeepSeek-V3), so per layer = kernel only + (per call - kernel
+               only) / 61, where kernel only times the call with the metadata built once
+               outside (Kernel.step_premeta); `us_per_layer`, `speedup_vs_best_peer_per_layer`
+               and `us_kernel_only` in the results file. A kernel with no per-step metadata
+               timed has per layer = per call.
+Per-step metadata, per kernel:
+  ours            plan_decode (GPU planner, no host sync) before mla_decode.
   flashmla        a fresh FlashMLASchedMeta per call, so the tile-scheduler metadata kernel
-                  that flash_mla_with_kvcache runs on first use of a schedule is timed too
-                  (vLLM runs it once per step, in the first layer).
-  fa3_mla         get_scheduler_metadata + flash_attn_varlen_func (vLLM: metadata once per step).
-  flashinfer_mla  run() only. Its plan() is host-side (CPU scheduling + a synchronous copy to
+                  that flash_mla_with_kvcache runs on first use of a schedule is in the call
+                  (vLLM runs it once per step, in the first layer); kernel only: one schedule
+                  per input set, filled by its first call.
+  fa3_mla         get_scheduler_metadata before flash_attn_varlen_func.
+  flashinfer_mla  none timed: its plan() is host-side (CPU scheduling + a synchronous copy to
                   the GPU), cannot be captured in a CUDA graph, and vLLM runs it once per step
-                  outside the graph: it is NOT timed.
-  triton_mla      decode_attention_fwd only (it has no metadata; num_kv_splits is host math).
+                  outside the graph; it is NOT timed in either figure (run() only).
+  triton_mla      none (num_kv_splits is host math).
 If a step with its metadata cannot be captured, the kernel is timed with the metadata built
-once outside the graph, and the row says so ('*' in the table).
+once outside the graph in both figures, and the row says so ('*' in the table).
 Every kernel of a config is built and checked first; then the config times them in --rounds
-rounds (default: one per kernel), each kernel first in turn (bench.common.round_orders), and a
-kernel's time is the median of its rounds (the rounds are in the results file as us_rounds).
-Timed once each and ours always first, a kernel after a pause can run above the power cap's
-sustained clock.
+rounds (default: one per kernel), each kernel first in turn (bench.common.round_orders); in
+its turn a kernel is timed per call and kernel only, back to back, each first in every other
+round. Each time is the median of its rounds (in the results file as us_rounds and
+us_kernel_only_rounds). Timed once each and ours always first, a kernel after a pause can run
+above the power cap's sustained clock. A kernel that fails in any round counts in neither
+figure.
 The per-layer glue vLLM adds around the calls (torch.cat of q, zero-filled outputs) is not
 timed for anyone. Every kernel's time counts only if its output passed the correctness gate
 (rel L2 < 1e-2 against mla_backend.reference.mla_decode on the first requests of set 0).
@@ -55,12 +66,12 @@ kv_scale), kv_scale = amax / 448 (one float32 for the whole pool); q stays bf16 
 lengths, paging and rotation as above (sets sized on 576 bytes per token). Matrix H 16,64,128 x
 s_q 1,2 x batch 1,32,128 x seq_len 4096 (--H / --s-q / --batch / --seq-len override it).
   ours            plan_decode(..., kv_cache_dtype=float8_e4m3fn) + mla_decode(..., kv_scale=
-                  1-element float32 CUDA tensor); plan timed per call as above
+                  1-element float32 CUDA tensor); per call and per layer as above
   flashmla        get_mla_metadata_dense_fp8(seq_lens, s_q H, 1) + flash_mla_with_kvcache_fp8
-                  (FLASHMLA with kv_cache_dtype "fp8"), metadata timed per call. It takes an
-                  fp8 q: vLLM's layer quantizes q per tensor to float8_e4m3fn with the layer's
-                  q_scale before forward_mqa (here q_scale = amax|q| / 448 per input set, done
-                  once outside the timing, like the other per-layer glue).
+                  (FLASHMLA with kv_cache_dtype "fp8"), metadata as for bf16 above. It takes
+                  an fp8 q: vLLM's layer quantizes q per tensor to float8_e4m3fn with the
+                  layer's q_scale before forward_mqa (here q_scale = amax|q| / 448 per input
+                  set, done once outside the timing, like the other per-layer glue).
 Gate: ours against mla_backend.reference.mla_decode on the fp8 cache (kv_scale); FlashMLA
 against the same reference fed its own dequantized q (q_fp8 * q_scale), so q's quantization
 is in the reference, not in a wider tolerance. FlashMLA's fp8 kernel also rounds the softmax
@@ -81,6 +92,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -115,6 +127,40 @@ FULL_MATRIX = {"H": (16, 32, 64, 128), "s_q": (1, 2, 4), "batch": (1, 32, 128),
 QUICK_MATRIX = {"H": (16, 128), "s_q": (1, 2), "batch": (1, 32, 128), "seq_len": (4096,)}
 FP8_MATRIX = {"H": (16, 64, 128), "s_q": (1, 2), "batch": (1, 32, 128), "seq_len": (4096,)}
 FP8_PEERS = ("flashmla",)        # peers with a dense per-tensor fp8 path in the fp8 block
+LAYERS_PER_STEP = 61             # DeepSeek-V3/R1's layers: one step's metadata serves them all
+
+# What each kernel's per-step metadata is, and so what its per-layer time amortizes.
+PER_STEP_METADATA = {
+    OURS: "plan_decode (GPU planner), amortized per layer",
+    "flashmla": "get_mla_metadata's tile-scheduler kernel (run by a call on a fresh "
+                "schedule), amortized per layer",
+    "fa3_mla": "get_scheduler_metadata, amortized per layer",
+    "flashinfer_mla": "plan() is host-side and never timed (not capturable; vLLM runs it "
+                      "once per step outside its graph): run() only, per layer = per call",
+    "triton_mla": "none (num_kv_splits is host math): per layer = per call",
+}
+FP8_PER_STEP_METADATA = {
+    OURS: "plan_decode(kv_cache_dtype=float8_e4m3fn), amortized per layer",
+    "flashmla": "get_mla_metadata_dense_fp8, amortized per layer",
+}
+
+
+def per_layer_us(call_us: float, kernel_only_us: float,
+                 layers: int = LAYERS_PER_STEP) -> float:
+    """A call's time with its per-step metadata paid once per step of `layers` layers: the
+    kernel alone plus 1/layers of what the metadata adds to a call."""
+    return kernel_only_us + (call_us - kernel_only_us) / layers
+
+
+@dataclass
+class StepTimings:
+    """One round's timings of one kernel: per call (Kernel.step: its per-step metadata in
+    every call) and kernel only (Kernel.step_premeta: the metadata built once outside), or
+    None where it has no per-step metadata timed."""
+
+    call: common.Timing
+    kernel_only: common.Timing | None
+
 
 Builder = Callable[[Inputs, argparse.Namespace], Kernel]
 BUILDERS: dict[str, Builder] = {
@@ -141,11 +187,15 @@ def bench_config(x: Inputs, kernels: list[str], args: argparse.Namespace,
                  copy_bw: float | None,
                  builders: dict[str, Builder] = BUILDERS) -> tuple[BenchRow, bool]:
     """Builds and checks every kernel, then times them in args.rounds rounds, each kernel
-    first in turn (common.round_orders); a kernel's time is the median of its rounds.
+    first in turn (common.round_orders). In its turn a kernel is timed per call (Kernel.step)
+    and, where it has step_premeta, kernel only, back to back. Its per-call and kernel-only
+    times are the medians of their rounds; its per-layer time comes from the two
+    (per_layer_us), or is its per-call time where it has no kernel-only time. A kernel that
+    fails in any round or misses the correctness gate counts in neither.
     Returns the row and whether ours failed the correctness gate."""
     cfg = {"H": x.H, "s_q": x.s_q, "batch": x.B, "seq_len": x.pool.seq_len,
            "dtype": x.pool.dtype_label}
-    row = BenchRow(config=cfg)
+    row = BenchRow(config=cfg, per_layer=True)
     lines: dict[str, str] = {}
     try:
         want = reference(x)
@@ -186,8 +236,10 @@ def bench_config(x: Inputs, kernels: list[str], args: argparse.Namespace,
             failed(name, e)
     capture_notes: dict[str, str] = {}  # kernels timed with metadata built outside the graph
 
-    def timer(name: str, kernel: Kernel) -> Callable[[], common.Timing]:
-        def run() -> common.Timing:
+    def timer(name: str, kernel: Kernel) -> Callable[[], StepTimings]:
+        rounds_done = [0]
+
+        def per_call() -> common.Timing:
             if name not in capture_notes:
                 try:
                     return common.time_graph(kernel.step, x.nsets, budget_ms=args.budget_ms)
@@ -195,8 +247,24 @@ def bench_config(x: Inputs, kernels: list[str], args: argparse.Namespace,
                     if kernel.step_premeta is None:
                         raise
                     capture_notes[name] = (f"metadata/plan built outside the graph (capture "
-                                           f"with it failed: {e})")
+                                           f"with it failed: {e}); per layer = per call")
             return common.time_graph(kernel.step_premeta, x.nsets, budget_ms=args.budget_ms)
+
+        def kernel_only() -> common.Timing | None:
+            if kernel.step_premeta is None or name in capture_notes:
+                return None
+            return common.time_graph(kernel.step_premeta, x.nsets, budget_ms=args.budget_ms)
+
+        def run() -> StepTimings:
+            # both variants back to back, each first in every other round
+            rounds_done[0] += 1
+            if rounds_done[0] % 2:
+                call = per_call()
+                only = kernel_only()
+            else:
+                only = kernel_only()
+                call = per_call()
+            return StepTimings(call, None if name in capture_notes else only)
         return run
 
     timings = common.time_in_rounds({name: timer(name, b[0]) for name, b in built.items()},
@@ -205,23 +273,40 @@ def bench_config(x: Inputs, kernels: list[str], args: argparse.Namespace,
     for name, ts in timings.items():
         _, ok, msg, tol, note = built[name]
         note = "; ".join(filter(None, [note, capture_notes.get(name, "")]))
-        us_list = [t.us for t in ts]
+        us_list = [t.call.us for t in ts]
         us = statistics.median(us_list)
         row.us_rounds[name] = us_list
+        only_list = ([] if name in capture_notes else
+                     [t.kernel_only.us for t in ts if t.kernel_only is not None])
+        only = statistics.median(only_list) if only_list else None
+        pl = us if only is None else per_layer_us(us, only)
+        if only_list:
+            row.us_kernel_only_rounds[name] = only_list
         if ok:
             row.us[name] = us
+            row.us_per_layer[name] = pl
+            if only is not None:
+                row.us_kernel_only[name] = only
             if note:
                 row.notes[name] = note
         else:
             row.uncounted_us[name] = us
+            if only is not None:
+                row.uncounted_us_per_layer[name] = pl
+            measured = (f"{us:.1f} us" if only is None else
+                        f"{pl:.1f} us per layer, {us:.1f} per call")
             row.skipped[name] = (f"correctness gate failed ({msg}; limit {tol:g}); "
-                                 f"measured {us:.1f} us, not counted")
+                                 f"measured {measured}, not counted")
             ours_bad |= name == OURS
-        t = ts[-1]
+        t = ts[-1].call
         flag = "" if ok else "  <-- CORRECTNESS GATE FAILED"
-        lines[name] = (f"    {name:15s} {us:9.1f} us  [{msg}; {t.nsets} sets, {t.ncalls} "
-                       f"calls/graph, {t.reps} replays; rounds "
-                       + " ".join(f"{v:.1f}" for v in us_list) + f"]{flag}"
+        times = (f"{pl:9.1f} us per layer, {us:9.1f} per call" if only is not None else
+                 f"{us:9.1f} us per layer = per call")
+        rounds = " ".join(f"{v:.1f}" for v in us_list)
+        if only_list:
+            rounds = f"per call {rounds}; kernel only " + " ".join(f"{v:.1f}" for v in only_list)
+        lines[name] = (f"    {name:15s} {times}  [{msg}; {t.nsets} sets, {t.ncalls} "
+                       f"calls/graph, {t.reps} replays; rounds {rounds}]{flag}"
                        + (f"  ({note})" if note else ""))
     built.clear()  # the kernels and their buffers go before the next config is built
     if OURS in kernels and OURS not in row.us and OURS not in row.skipped:
@@ -249,7 +334,7 @@ def run_matrix(matrix: dict[str, tuple[int, ...]], kernels: list[str],
     t_start = time.perf_counter()
     ours_bad = False
     status = 0
-    live = common.Table(["H", "s_q", "batch", "seq_len", "dtype"], kernels)
+    live = common.Table(["H", "s_q", "batch", "seq_len", "dtype"], kernels, per_layer=True)
     log("\nper-config lines below use these columns:\n    " + live.header())
     try:
         for seq_len in matrix["seq_len"]:
@@ -286,12 +371,26 @@ def run_matrix(matrix: dict[str, tuple[int, ...]], kernels: list[str],
     return ours_bad, status
 
 
+def results_extra(kernels: list[str], metadata: dict[str, str]) -> dict[str, object]:
+    """The results file's top-level description of the per-layer figures."""
+    return {"layers_per_step": LAYERS_PER_STEP,
+            "per_step_metadata": {k: metadata[k] for k in kernels if k in metadata}}
+
+
 def report(rows: list[BenchRow], kernels: list[str], copy_bw: float | None, out_path: Path,
-           seconds: float, ours_bad: bool) -> None:
-    """The table, where the results went, the gate warning and the summary (worst row and
-    geometric mean, printed last)."""
+           seconds: float, ours_bad: bool, metadata: dict[str, str]) -> None:
+    """The table, what each kernel's per-step metadata is, where the results went, the gate
+    warning and the summary (worst rows and geometric means, per layer first, printed
+    last)."""
     log("")
     common.print_table(rows, kernels, copy_bw)
+    log(f"per layer = kernel only + (per call - kernel only) / {LAYERS_PER_STEP}: each "
+        f"kernel's per-step metadata paid once per step of {LAYERS_PER_STEP} layers "
+        f"(DeepSeek-V3); per call: in every call. Per-step metadata (in every call of the per-"
+        f"call figure):")
+    for k in kernels:
+        if k in metadata:
+            log(f"  {k}: {metadata[k]}")
     log(f"results written to {out_path} ({len(rows)} rows, {seconds:.0f} s)")
     if ours_bad:
         log("WARNING: ours failed the correctness gate in at least one row (see '!')")
@@ -323,12 +422,14 @@ def fp8_decode_block(args: argparse.Namespace, copy_bw: float | None = None) -> 
 
     def save() -> None:
         common.write_results(out_path, job=JOB_FP8, gpu=gpu, date=date, commit=commit,
-                             copy_bw_gbs=copy_bw, rows=rows)
+                             copy_bw_gbs=copy_bw, rows=rows,
+                             extra=results_extra(kernels, FP8_PER_STEP_METADATA))
 
     ours_bad, status = run_matrix(m, kernels, FP8_BUILDERS, args, copy_bw, rows, save,
                                   fp8=True)
     save()
-    report(rows, kernels, copy_bw, out_path, time.perf_counter() - t_start, ours_bad)
+    report(rows, kernels, copy_bw, out_path, time.perf_counter() - t_start, ours_bad,
+           FP8_PER_STEP_METADATA)
     if status == 0 and ours_bad:
         status = 1
     return status
@@ -343,14 +444,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m bench.dense_decode",
         description="Dense MLA decode: ours vs vLLM 0.25's FlashMLA, FA3 MLA, FlashInfer MLA "
                     "and Triton MLA, side by side on the same inputs (CUDA graphs, rotating "
-                    "inputs > L2). Writes design.md's results JSON and prints a table. "
+                    "inputs > L2), two times per kernel: per layer (its per-step metadata "
+                    f"amortized over {LAYERS_PER_STEP} layers, the headline) and per call (the "
+                    "metadata in every call). Writes design.md's results JSON and prints a "
+                    "table. "
                     "--fp8 / --fp8-only: ours vs FlashMLA's dense fp8 path over a per-tensor "
                     "fp8 e4m3 cache, in its own results file (dense_decode_fp8-...).",
         epilog="Run from the repository root: PYTHONPATH=/opt/vk/site python -m "
                "bench.dense_decode --quick; fp8 only: PYTHONPATH=/opt/vk/site:$PWD python -m "
                "bench.dense_decode --fp8-only --out DIR")
     ap.add_argument("--quick", action="store_true",
-                    help="small subset (H 16,128 x s_q 1,2 x batch 1,32,128 x seq 4096), ~2 min")
+                    help="small subset (H 16,128 x s_q 1,2 x batch 1,32,128 x seq 4096), a few "
+                         "minutes")
     ap.add_argument("--out", default="",
                     help="results JSON path, or a directory for the default file name "
                          "(default: bench/results/dense_decode-<gpu-slug>-<date>.json); the "
@@ -378,7 +483,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fp8", action="store_true",
                     help="after the bf16 matrix, the fp8 block: per-tensor fp8 e4m3 cache, ours "
                          "vs FlashMLA dense fp8 (H 16,64,128 x s_q 1,2 x batch 1,32,128 x "
-                         "seq 4096 unless --H/--s-q/--batch/--seq-len), ~2 min")
+                         "seq 4096 unless --H/--s-q/--batch/--seq-len), a few minutes")
     ap.add_argument("--fp8-only", action="store_true",
                     help="the fp8 block only (skips the bf16 matrix)")
     ap.add_argument("--fp8-peer-tol", type=float, default=REL_L2_TOL,
@@ -462,11 +567,13 @@ def main(argv: list[str] | None = None) -> int:
 
         def save() -> None:
             common.write_results(out_path, job=JOB, gpu=gpu, date=date, commit=commit,
-                                 copy_bw_gbs=copy_bw, rows=rows)
+                                 copy_bw_gbs=copy_bw, rows=rows,
+                                 extra=results_extra(args.kernels, PER_STEP_METADATA))
 
         ours_bad, status = run_matrix(m, args.kernels, BUILDERS, args, copy_bw, rows, save)
         save()
-        report(rows, args.kernels, copy_bw, out_path, time.perf_counter() - t_start, ours_bad)
+        report(rows, args.kernels, copy_bw, out_path, time.perf_counter() - t_start, ours_bad,
+               PER_STEP_METADATA)
         if status == 0 and ours_bad:
             status = 1
 
