@@ -6,8 +6,10 @@ JSON, in the form mla_backend.demo.engines.compare reads.
 SPEC keys: model (dir with config.json + model.safetensors), backend (attention backend name),
 graphs (bool: decode CUDA graphs), kv_cache_dtype ("auto" / "fp8_e4m3"), context_length,
 chunked_prefill_size, max_running_requests, mem_fraction_static, prompts (token-id lists),
-max_new_tokens, logprobs (top-k per position). `run(spec, log_path)` starts this module in a
-child process (the Engine spawns its scheduler; one engine per process frees the GPU on exit).
+max_new_tokens, logprobs (top-k per position); optional: engine_args (more sgl.Engine
+arguments), env (variables added to the child's environment). `run(spec, log_path)` starts
+this module in a child process (the Engine spawns its scheduler; one engine per process frees
+the GPU on exit).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def _engine(spec: dict):
         max_running_requests=spec.get("max_running_requests", 16),
         cuda_graph_max_bs_decode=spec.get("max_running_requests", 16),
         mem_fraction_static=spec.get("mem_fraction_static", 0.3),
-        disable_cuda_graph=not spec.get("graphs", True), random_seed=0, log_level="info")
+        disable_cuda_graph=not spec.get("graphs", True), random_seed=0, log_level="info",
+        **spec.get("engine_args", {}))
 
 
 def _outputs(results: list[dict]) -> list[dict]:
@@ -76,8 +79,9 @@ def run(spec: dict, log_path: str, timeout_s: float = 600) -> dict:
             try:
                 rc = subprocess.run([sys.executable, "-m", "mla_backend.demo.sglang_run",
                                      spec_path, out_path], stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=timeout_s, env=dict(os.environ,
-                                                                PYTHONUNBUFFERED="1")).returncode
+                                    timeout=timeout_s,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                             **spec.get("env", {}))).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         if rc != 0 or not os.path.exists(out_path):

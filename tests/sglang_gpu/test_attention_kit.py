@@ -29,6 +29,7 @@ from sglang.test.kits.attention_unittest.runner_modes.split_op_runner import (
 )
 
 from mla_backend.sglang import registration
+from tests.sglang_gpu import kit_cases
 
 pytestmark = pytest.mark.gpu
 BACKENDS = ["mla_backend", "flashmla"]
@@ -95,21 +96,19 @@ def test_split_op_extend(backend, breakable):
                                  **SHAPE)
 
 
-VERIFY = [((4, 7), (3, 3)), ((61, 63), (3, 3)), ((60, 130), (5, 5))]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("prefix, drafts", VERIFY, ids=["chain", "page_boundary", "draft5"])
+@pytest.mark.parametrize("prefix, drafts", kit_cases.VERIFY, ids=kit_cases.VERIFY_IDS)
 def test_eagle_verify(backend, prefix, drafts):
     case = _case("runner_eagle_verify_chain", backend, ForwardMode.TARGET_VERIFY, prefix, drafts)
     run_mla_eagle_verify_case(_Kit(), case, topk=1, **SHAPE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("prefix, drafts", VERIFY, ids=["chain", "page_boundary", "draft5"])
+@pytest.mark.parametrize("prefix, drafts", kit_cases.VERIFY_GRAPH, ids=kit_cases.VERIFY_GRAPH_IDS)
 def test_eagle_verify_cuda_graph(backend, prefix, drafts):
-    case = _case("runner_cuda_graph_eagle_verify_chain", backend, ForwardMode.TARGET_VERIFY,
-                 prefix, drafts)
+    # prefixes within one page: the kit's graph runner rewrites longer ones over the fixture's
+    # shuffled pages (kit_cases.py); 5 drafts still cross into the next page
+    case = _case(kit_cases.GRAPH_CASE_NAME, backend, ForwardMode.TARGET_VERIFY, prefix, drafts)
     run_mla_eagle_verify_cuda_graph_case(_Kit(), case, topk=1, **SHAPE)
 
 
