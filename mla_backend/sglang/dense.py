@@ -43,16 +43,26 @@ class DecodeMetadata:
     cache_seqlens_int32: torch.Tensor  # int32 [bs]: keys per request, queries included
 
 
-def query_576(q: torch.Tensor, q_rope: torch.Tensor | None, heads: int) -> torch.Tensor:
-    """The query as the kernel takes it today: one [T, H, 576] tensor. SGLang hands it as two
-    parts (absorbed nope [T, H*512] and rope [T, H*64]) because our name is in
-    FORWARD_ABSORB_CORE_ATTENTION_BACKENDS, or already concatenated (its attention test kit).
-    TODO(two-part q): pass q and q_rope through their strides once ops.mla_decode takes them,
-    and drop this copy."""
+def decode_query(q: torch.Tensor, q_rope: torch.Tensor | None, batch: int, s_q: int,
+                 heads: int):
+    """The query as ops.mla_decode takes it: [batch, s_q, H, 576], or, when SGLang hands it in
+    two parts (absorbed latent [T, H*512] and rope [T, H*64]: our name is in
+    FORWARD_ABSORB_CORE_ATTENTION_BACKENDS), the pair of views read where they lie, no copy.
+    A part whose rows the kernel cannot load in place (16-byte aligned rows and strides) is
+    joined by a copy instead."""
     if q_rope is None:
-        return q.view(-1, heads, ops.D_QK)
-    return torch.cat([q.view(-1, heads, ops.D_V), q_rope.view(-1, heads, ops.D_QK - ops.D_V)],
-                     dim=-1)
+        return q.view(batch, s_q, heads, ops.D_QK)
+    parts = (q.view(batch, s_q, heads, ops.D_V),
+             q_rope.view(batch, s_q, heads, ops.D_QK - ops.D_V))
+    if all(_rows_in_place(t) for t in parts):
+        return parts
+    return torch.cat(parts, dim=-1)
+
+
+def _rows_in_place(t: torch.Tensor) -> bool:
+    """Whether the kernel's 16-byte loads can read t's rows where they lie."""
+    return (t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1])
+            and t.data_ptr() % 16 == 0)
 
 
 class MLADenseBackend(FlashInferMLAAttnBackend):
@@ -199,8 +209,7 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
         meta = self.forward_metadata
         plan = meta.plan
         heads = layer.tp_q_head_num
-        query = query_576(q, q_rope, heads).view(plan.batch, plan.q_tokens_per_req, heads,
-                                                 ops.D_QK)
+        query = decode_query(q, q_rope, plan.batch, plan.q_tokens_per_req, heads)
         cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, PAGE_SIZE,
                                                                            ops.D_QK)
         kv_scale = None

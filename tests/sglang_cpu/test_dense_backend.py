@@ -32,7 +32,7 @@ class KernelCalls:
     DecodePlan, DecodeWorkspace = ops_dense.DecodePlan, ops_dense.DecodeWorkspace
 
     def __init__(self):
-        self.workspaces, self.plans, self.decodes = [], [], []
+        self.workspaces, self.plans, self.decodes, self.queries = [], [], [], []
 
     def decode_workspace(self, max_batch, max_q_tokens_per_req, num_heads, *, device,
                          kv_cache_dtype=None):
@@ -57,9 +57,10 @@ class KernelCalls:
         ops_dense._check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale,
                                      kv_scale, None)
         self.decodes.append((block_table, seq_lens))
+        self.queries.append(q)
         out, lse = reference.mla_decode(q, kv_cache, block_table, seq_lens, plan,
                                         softmax_scale, causal, kv_scale)
-        return out.to(q.dtype), lse
+        return out.to((q[0] if isinstance(q, tuple) else q).dtype), lse
 
 
 @pytest.fixture
@@ -168,6 +169,29 @@ def test_target_verify_two_part_query(calls):
     table, lens = calls.decodes[-1]
     assert lens.tolist() == [128, 64] and table.tolist() == [[3, 7], [2, 0]]
     assert calls.workspaces == [(4, 3, H, None)]
+    # the two parts reach the kernel as views of SGLang's tensors, not joined by a copy
+    kq_nope, kq_rope = calls.queries[-1]
+    assert kq_nope.shape == (2, 3, H, 512) and kq_rope.shape == (2, 3, H, 64)
+    assert kq_nope.data_ptr() == q_nope.data_ptr() and kq_rope.data_ptr() == q_rope.data_ptr()
+
+
+def test_unaligned_two_part_query_is_joined(calls):
+    """A rope part whose rows the kernel cannot load in place (here 2 bytes off 16-byte
+    alignment) reaches it joined with the latent part into one [B, s_q, H, 576] copy."""
+    backend = _backend(calls, draft_tokens=3)
+    slots, prefix = [1, 3], [125, 61]
+    fb = _batch(ForwardMode.TARGET_VERIFY, slots, prefix)
+    backend.init_forward_metadata(fb)
+    q = _query(6)
+    q_nope = q.view(6, H, 576)[..., :512].reshape(6, H * 512)
+    spare = torch.empty(6 * H * 64 + 1, dtype=q.dtype)
+    q_rope = spare[1:].view(6, H * 64)
+    q_rope.copy_(q.view(6, H, 576)[..., 512:].reshape(6, H * 64))
+    out = backend.forward_extend(q_nope, None, None, _layer(), fb, save_kv_cache=False,
+                                 q_rope=q_rope)
+    _close(out, _expected(backend, slots, [128, 64], q.view(2, 3, H, 576), 3))
+    joined = calls.queries[-1]
+    assert isinstance(joined, torch.Tensor) and joined.shape == (2, 3, H, 576)
 
 
 def test_draft_extend_window(calls):
