@@ -11,7 +11,7 @@ d_v = 512, page (block) size 64. Float32 twins of every op: mla_backend.referenc
 """
 
 from . import cost_model, dense, sparse
-from ._common import D_QK, D_V, MAX_HEADS, PAGE_SIZE
+from ._common import D_QK, D_V, MAX_HEADS, PAGE_SIZE, rows_in_place
 from .cost_model import (
     BF16_UNIT_US,
     MIN_TOKENS_PER_CTA,
@@ -53,5 +53,6 @@ __all__ = [
     "SPARSE_UNIT_TOKENS", "SPLIT_FIXED_US", "SPLIT_US_PER_MB", "WHOLE_REQUEST_EXTRA_UNITS",
     "WHOLE_REQUEST_EXTRA_UNITS_FP8_SMALL_H", "DecodePlan", "DecodeWorkspace", "SparsePlan",
     "SparseWorkspace", "decode_workspace", "mla_decode", "plan_decode", "plan_sparse_decode",
+    "rows_in_place",
     "sparse_mla_decode", "sparse_mla_prefill", "sparse_workspace",
 ]

@@ -47,10 +47,15 @@ def _query_parts(q: object) -> tuple[torch.Tensor, torch.Tensor | None]:
     return nope, pe
 
 
+def rows_in_place(t: torch.Tensor) -> bool:
+    """Whether the kernels' 16-byte loads can read t's rows where they lie: a contiguous last
+    dim, a 16-byte aligned start and 16-byte multiple strides (16-bit elements)."""
+    return (t.stride(-1) == 1 and all(t.stride(i) % 8 == 0 for i in range(t.dim() - 1))
+            and t.data_ptr() % 16 == 0)
+
+
 def _require_aligned_rows(name: str, t: torch.Tensor) -> None:
-    """16-byte loads of every row: a contiguous last dim, 16-byte aligned start and strides."""
-    _require(t.stride(-1) == 1 and all(t.stride(i) % 8 == 0 for i in range(t.dim() - 1))
-             and t.data_ptr() % 16 == 0, name, t,
+    _require(rows_in_place(t), name, t,
              "must be 16-byte aligned with a contiguous last dim and 16-byte aligned strides")
 
 

@@ -25,6 +25,7 @@ from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
 from sglang.srt.runtime_context import get_parallel, get_spec
 
 from .. import ops
+from ..ops import rows_in_place
 from . import metadata
 from .support import FP8_CACHE, NAME, PAGE_SIZE
 
@@ -54,15 +55,9 @@ def decode_query(q: torch.Tensor, q_rope: torch.Tensor | None, batch: int, s_q: 
         return q.view(batch, s_q, heads, ops.D_QK)
     parts = (q.view(batch, s_q, heads, ops.D_V),
              q_rope.view(batch, s_q, heads, ops.D_QK - ops.D_V))
-    if all(_rows_in_place(t) for t in parts):
+    if all(rows_in_place(t) for t in parts):
         return parts
     return torch.cat(parts, dim=-1)
-
-
-def _rows_in_place(t: torch.Tensor) -> bool:
-    """Whether the kernel's 16-byte loads can read t's rows where they lie."""
-    return (t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1])
-            and t.data_ptr() % 16 == 0)
 
 
 class MLADenseBackend(FlashInferMLAAttnBackend):

@@ -147,6 +147,8 @@ class MLADenseImpl(MLACommonImpl[MLADenseMetadata]):
         parts = q if isinstance(q, tuple) else (q,)
         tokens, heads = parts[0].shape[:2]
         q = tuple(t.view(plan.batch, plan.q_tokens_per_req, heads, t.shape[-1]) for t in parts)
+        if len(q) == 2 and not all(ops.rows_in_place(t) for t in q):
+            q = (torch.cat(q, dim=-1),)  # rows the kernel cannot load in place: one copy
         out, lse = ops.mla_decode(q if len(q) == 2 else q[0], kv_c_and_k_pe_cache,
                                   decode.block_table, decode.seq_lens, plan, self.scale,
                                   causal=True,

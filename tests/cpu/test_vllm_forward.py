@@ -117,6 +117,29 @@ def test_dense_forward_hands_the_kernel_the_decode_rows(tmp_path, monkeypatch, s
     assert torch.equal(out[row], out[row, :, :1].expand(H, 512))
 
 
+def test_dense_forward_joins_parts_the_kernel_cannot_read_in_place(tmp_path, monkeypatch):
+    """A rope part 2 bytes off 16-byte alignment reaches the kernel joined with the latent
+    part into one [batch, s_q, H, 576] tensor (one copy), never as an argument error."""
+    from mla_backend.vllm.dense import MLADenseBackend
+    from tests.cpu.vllm_env import mla_spec, planner_stand_in
+
+    planner_stand_in(monkeypatch)
+    calls = _kernel_spy(monkeypatch, "mla_decode")
+    cfg = vllm_config(model_dir(tmp_path))
+    builder = MLADenseBackend.get_builder_cls()(mla_spec(), [add_layer(cfg)], cfg,
+                                                torch.device("cpu"))
+    md = builder.build(0, common([1, 1], [40, 130]))
+    ql_nope, q_pe = _q_parts(2)
+    spare = torch.empty(q_pe.numel() + 1, dtype=q_pe.dtype)
+    shifted = spare[1:].view(q_pe.shape)
+    shifted.copy_(q_pe)
+    cache = torch.zeros(6, 64, 576, dtype=torch.bfloat16)
+    _dense_impl(cfg).forward_mqa((ql_nope, shifted), cache, md, types.SimpleNamespace())
+    (q, *_), = calls
+    assert isinstance(q, torch.Tensor) and q.shape == (2, 1, H, 576)
+    assert torch.equal(q[:, 0, :, :512], ql_nope) and torch.equal(q[:, 0, :, 512:], q_pe)
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_dense_layer_forward_through_vllm(tmp_path, monkeypatch, kv):
     """vLLM's own MLAAttention.forward_impl (the layer's decode path, run here on a layer
