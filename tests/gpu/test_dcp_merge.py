@@ -110,10 +110,13 @@ def merge_as_vllm(parts) -> tuple[torch.Tensor, torch.Tensor]:
     common = pytest.importorskip("vllm.v1.attention.ops.common",
                                  reason="vLLM is not importable here")
     lses = torch.stack([lse[:, 0] for _, lse in parts]).contiguous()
-    ctx = common.CPTritonContext()
     outs, lse = [], None
     for rank, (out, _) in enumerate(parts):
-        corrected, lse = common.correct_attn_out(out[:, 0].clone(), lses, rank, ctx,
+        # a context per rank, as each rank's cp_lse_ag_out_rs makes one: a context reused
+        # across calls relaunches its compiled kernel with fewer arguments than the GPU
+        # machine's Triton takes ("function takes exactly 27 arguments (24 given)")
+        corrected, lse = common.correct_attn_out(out[:, 0].clone(), lses, rank,
+                                                 common.CPTritonContext(),
                                                  is_lse_base_on_e=True)
         outs.append(corrected.float())
     return sum(outs).unsqueeze(1), lse.unsqueeze(1)
