@@ -13,6 +13,7 @@ import torch
 from mla_backend import formats, ops
 from mla_backend.demo import engine_run
 from mla_backend.ops import dense, sparse
+from mla_backend.vllm import version
 
 
 @pytest.fixture
@@ -105,7 +106,16 @@ def test_rope_dropped(hooks, monkeypatch):
 
 
 def test_round_cache_to_fp8_ds_mla(hooks, monkeypatch):
-    """The peer's bf16 cache gets kv_c as an fp8_ds_mla cache holds it; k_pe unchanged."""
+    """The peer's bf16 cache gets kv_c as an fp8_ds_mla cache of the installed vLLM holds it;
+    k_pe unchanged. The write hooked is the one that release makes for DeepSeek-V3.2."""
+    if version.at_least((0, 33, 0)):
+        _check_fused_writer_rounded(hooks, monkeypatch)
+    else:
+        _check_impl_writer_rounded(hooks, monkeypatch)
+
+
+def _check_impl_writer_rounded(hooks, monkeypatch):
+    """vLLM 0.25: the sparse impl's do_kv_cache_update gets the rounded kv_c."""
     from vllm.v1.attention.backend import SparseMLAAttentionImpl
 
     writes = []
@@ -124,6 +134,65 @@ def test_round_cache_to_fp8_ds_mla(hooks, monkeypatch):
     with pytest.raises(RuntimeError, match="bf16 cache"):
         SparseMLAAttentionImpl.do_kv_cache_update(None, kv_c, k_pe, "c", "s", "fp8_ds_mla", 1.0)
     assert hooks.report()["rounded_cache_writes"] == 1
+
+
+def _check_fused_writer_rounded(hooks, monkeypatch):
+    """vLLM 0.33: DeepSeek-V3.2's attention layer calls the fused norm/RoPE kernel (by its
+    module's name, with the keywords the hook reads) to write the cache; the hook runs that
+    kernel without its cache write and writes kv_c rounded through fp8_ds_mla (power-of-two
+    tile scales, as 0.33's writer) and k_pe unchanged to the same slots."""
+    import inspect
+
+    from vllm import _custom_ops
+    from vllm.models.deepseek_v32 import attention
+
+    assert "fused_norm_rope" in attention.DeepseekV32Attention.forward.__code__.co_names
+    used = {"mla_kv_cache", "mla_kv_cache_dtype", "mla_k_scale", "kv_c_out", "k_pe_out",
+            "slot_mapping"}
+    assert used <= set(inspect.signature(attention.fused_norm_rope).parameters)
+    kv_c = (torch.randn(6, 512) * torch.tensor([3.0, 0.01, 50.0, 1e-6]).repeat_interleave(128)
+            ).to(torch.bfloat16)
+    k_pe = torch.randn(6, 64).to(torch.bfloat16)
+    kernel_calls, writes = [], []
+
+    def kernel(positions, q_c, *rest, mla_kv_cache=None, kv_c_out=None, k_pe_out=None,
+               **kwargs):
+        kernel_calls.append(mla_kv_cache)
+        kv_c_out.copy_(kv_c)
+        k_pe_out.copy_(k_pe)
+        return q_c + 1
+
+    monkeypatch.setattr(attention, "fused_norm_rope", kernel)
+    monkeypatch.setattr(_custom_ops, "concat_and_cache_mla",
+                        lambda *args: writes.append(args))
+    hooks.install({"round_cache_to": "fp8_ds_mla"})
+    q_c, slots, scale = torch.zeros(6, 8), torch.arange(6), torch.tensor([1.0])
+    kv_out, pe_out = torch.empty_like(kv_c), torch.empty_like(k_pe)
+    got_q = attention.fused_norm_rope("pos", q_c, slot_mapping=slots, mla_kv_cache="cache",
+                                      mla_kv_cache_dtype="auto", mla_k_scale=scale,
+                                      kv_c_out=kv_out, k_pe_out=pe_out)
+    assert torch.equal(got_q, q_c + 1) and kernel_calls == [None]
+    (got, pe, cache, slot_arg, dtype, scale_arg), = writes
+    assert pe is pe_out and torch.equal(pe, k_pe)
+    assert (cache, slot_arg, dtype, scale_arg) == ("cache", slots, "auto", scale)
+    tiles = kv_c.float().reshape(6, 4, 128)
+    tile_scale = torch.exp2(torch.ceil(torch.log2(
+        (tiles.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-4))))
+    expect = ((tiles / tile_scale).to(torch.float8_e4m3fn).float() * tile_scale).reshape(6, 512)
+    assert torch.equal(got, expect.to(torch.bfloat16))
+    assert not torch.equal(got, kv_c)
+    # e4m3 keeps 3 mantissa bits: within 1/16 of the tile's amax (plus, in a tiny tile whose
+    # scale is floored at 1e-4, half a subnormal step)
+    err = (got.float() - kv_c.float()).abs().reshape(6, 4, 128).amax(-1)
+    assert (err <= tiles.abs().amax(-1) / 16 + 1e-4 * 2 ** -9).all()
+    assert hooks.report()["rounded_cache_writes"] == 1
+    # no cache to write (profiling, PCP): the kernel as called, nothing rounded
+    attention.fused_norm_rope("pos", q_c, kv_c_out=kv_out, k_pe_out=pe_out)
+    assert kernel_calls == [None, None] and len(writes) == 1
+    with pytest.raises(RuntimeError, match="bf16 cache"):
+        attention.fused_norm_rope("pos", q_c, slot_mapping=slots, mla_kv_cache="cache",
+                                  mla_kv_cache_dtype="fp8_ds_mla", kv_c_out=kv_out,
+                                  k_pe_out=pe_out)
 
 
 def test_engine_run_preloads_in_process(tmp_path, monkeypatch):

@@ -33,9 +33,12 @@ OPTIONS (all optional):
   round_cache_to: "fp8_ds_mla"
                        (a peer's run on a bf16 cache) every KV-cache write of a sparse MLA
                        backend stores kv_c rounded through vLLM's fp8_ds_mla format
-                       (quantized per 128-value tile and dequantized, mla_backend.formats):
-                       that backend then computes attention over the values an fp8_ds_mla
-                       kernel reads (rounded to bf16).
+                       (quantized per 128-value tile and dequantized, with the tile scales
+                       of the writer that fills a real fp8_ds_mla cache in the installed
+                       vLLM): that backend then computes attention over the values an
+                       fp8_ds_mla kernel reads (rounded to bf16). The write hooked: the sparse
+                       impl's do_kv_cache_update (0.25), DeepSeek-V3.2's fused norm/RoPE
+                       kernel (0.33).
 report() returns what happened, for the engine's result ("preload").
 """
 
@@ -49,8 +52,10 @@ import torch
 
 from mla_backend import formats, ops
 from mla_backend.ops import dense, sparse
+from mla_backend.vllm import version
 
 PERTURBATIONS = ("partial_page_dropped", "rope_dropped", "lse_shifted_on_dcp_rank_1")
+kPow2ScaleFloor = 1e-4  # vLLM 0.33's fused fp8_ds_mla writer: smallest tile scale
 LSE_SHIFT = 1.0  # lse_shifted_on_dcp_rank_1: ln(e), one rank's keys weighted e times
 _seen: dict = {"options": {}, "calls_by_s_q": Counter(), "captured_by_s_q": Counter(),
                "sparse_calls": 0, "perturbed_calls": 0, "rounded_cache_writes": 0,
@@ -83,21 +88,70 @@ def install(options: dict, report_path: str | None = None) -> None:
     if options.get("count") or perturb == "rope_dropped":
         ops.sparse_mla_decode = _sparse_mla_decode
     if options.get("round_cache_to"):
-        from vllm.v1.attention.backend import SparseMLAAttentionImpl
+        # vLLM 0.33 writes V3.2's MLA cache in DeepseekV32Attention's fused norm/RoPE kernel
+        # (power-of-two fp8_ds_mla scales); 0.25 in the sparse impl's do_kv_cache_update.
+        if version.at_least((0, 33, 0)):
+            _round_fused_cache_writes()
+        else:
+            _round_impl_cache_writes()
 
-        original = SparseMLAAttentionImpl.do_kv_cache_update
 
-        def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
-                               k_scale):
-            if kv_cache_dtype.startswith("fp8"):
-                raise RuntimeError("round_cache_to is for a bf16 cache")
-            kv_c_normed = round_through_fp8_ds_mla(kv_c_normed, k_pe)
-            _seen["rounded_cache_writes"] += 1
-            _write_report()
-            return original(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
-                            k_scale)
+def _round_impl_cache_writes() -> None:
+    from vllm.v1.attention.backend import SparseMLAAttentionImpl
 
-        SparseMLAAttentionImpl.do_kv_cache_update = do_kv_cache_update
+    original = SparseMLAAttentionImpl.do_kv_cache_update
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                           k_scale):
+        _check_bf16_cache(kv_cache_dtype)
+        kv_c_normed = round_through_fp8_ds_mla(kv_c_normed, k_pe)
+        _counted_write()
+        return original(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                        k_scale)
+
+    SparseMLAAttentionImpl.do_kv_cache_update = do_kv_cache_update
+
+
+def _round_fused_cache_writes() -> None:
+    """The fused kernel runs without its cache write (kv_c_out / k_pe_out still get the
+    normed kv_c and the RoPE'd k_pe, as the cache would), then vLLM's concat_and_cache_mla
+    writes the rounded kv_c and k_pe to the same slots."""
+    from vllm import _custom_ops
+    from vllm.models.deepseek_v32 import attention
+
+    original = attention.fused_norm_rope
+
+    def fused_norm_rope(*args, mla_kv_cache=None, mla_kv_cache_dtype="auto", mla_k_scale=None,
+                        kv_c_out=None, k_pe_out=None, slot_mapping=None, **kwargs):
+        if mla_kv_cache is None:
+            return original(*args, mla_kv_cache=None, mla_kv_cache_dtype=mla_kv_cache_dtype,
+                            mla_k_scale=mla_k_scale, kv_c_out=kv_c_out, k_pe_out=k_pe_out,
+                            slot_mapping=slot_mapping, **kwargs)
+        _check_bf16_cache(mla_kv_cache_dtype)
+        if kv_c_out is None or k_pe_out is None:
+            raise RuntimeError("round_cache_to needs the fused kernel's kv_c_out and k_pe_out")
+        q_c = original(*args, mla_kv_cache=None, mla_kv_cache_dtype=mla_kv_cache_dtype,
+                       mla_k_scale=mla_k_scale, kv_c_out=kv_c_out, k_pe_out=k_pe_out,
+                       slot_mapping=slot_mapping, **kwargs)
+        rounded = round_through_fp8_ds_mla(kv_c_out, k_pe_out, pow2_scales=True)
+        scale = mla_k_scale if mla_k_scale is not None else torch.ones(
+            1, dtype=torch.float32, device=kv_c_out.device)
+        _custom_ops.concat_and_cache_mla(rounded, k_pe_out, mla_kv_cache, slot_mapping,
+                                         mla_kv_cache_dtype, scale)
+        _counted_write()
+        return q_c
+
+    attention.fused_norm_rope = fused_norm_rope
+
+
+def _check_bf16_cache(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype.startswith(("fp8", "nvfp4")):
+        raise RuntimeError(f"round_cache_to is for a bf16 cache; got {kv_cache_dtype!r}")
+
+
+def _counted_write() -> None:
+    _seen["rounded_cache_writes"] += 1
+    _write_report()
 
 
 def _set_kv_scales_after_loading(k_scale: float, v_scale: float) -> None:
@@ -116,12 +170,26 @@ def _set_kv_scales_after_loading(k_scale: float, v_scale: float) -> None:
     MLAAttention.process_weights_after_loading = process_weights_after_loading
 
 
-def round_through_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+def round_through_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor,
+                             pow2_scales: bool = False) -> torch.Tensor:
     """kv_c [T, 512] bf16 as an fp8_ds_mla cache holds it (dequantized, back in bf16); the
-    RoPE part of that format is the bf16 input unchanged."""
-    packed = formats.quantize_fp8_ds_mla(kv_c, k_pe.reshape(k_pe.shape[0], formats.ROPE_DIM))
-    latent = formats.dequantize_fp8_ds_mla(packed)[:, :formats.KV_LORA_RANK]
-    return latent.to(kv_c.dtype)
+    RoPE part of that format is the bf16 input unchanged. Scales per 128-value tile: amax / 448
+    (mla_backend.formats, vLLM's CUDA cache writer), or with pow2_scales that rounded up to a
+    power of two and at least 1e-4, as vLLM 0.33's fused V3.2 cache writer stores them."""
+    if not pow2_scales:
+        packed = formats.quantize_fp8_ds_mla(kv_c, k_pe.reshape(k_pe.shape[0], formats.ROPE_DIM))
+        latent = formats.dequantize_fp8_ds_mla(packed)[:, :formats.KV_LORA_RANK]
+        return latent.to(kv_c.dtype)
+    if kv_c.dtype != torch.bfloat16 or kv_c.shape[-1] != formats.KV_LORA_RANK:
+        raise ValueError(f"kv_c must be [T, {formats.KV_LORA_RANK}] bf16; got "
+                         f"{tuple(kv_c.shape)} {kv_c.dtype}")
+    tiles = kv_c.float().reshape(kv_c.shape[0], formats.FP8_DS_MLA_NUM_TILES,
+                                 formats.FP8_DS_MLA_TILE)
+    amax = tiles.abs().amax(dim=-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(
+        amax / torch.full_like(amax, formats.FP8_E4M3_MAX), kPow2ScaleFloor))))
+    values = (tiles / scale).to(torch.float8_e4m3fn).float() * scale
+    return values.reshape(kv_c.shape).to(kv_c.dtype)
 
 
 def _capturing() -> bool:

@@ -1,6 +1,6 @@
-"""vLLM 0.25 with `--attention-backend CUSTOM` on tiny DeepSeek checkpoints whose weights make
-attention non-uniform (mla_backend.demo.tiny_model), against vLLM's FLASHMLA and TRITON_MLA
-on the same prompts (1 to 8200 tokens). Engines, prompts, result cache, report and the
+"""vLLM (0.25 or 0.33) with `--attention-backend CUSTOM` on tiny DeepSeek checkpoints whose
+weights make attention non-uniform (mla_backend.demo.tiny_model), against vLLM's FLASHMLA and
+TRITON_MLA on the same prompts (1 to 8200 tokens). Engines, prompts, result cache, report and the
 closeness rule: tests/e2e/harness.py; test-only hooks in the engines: tests/e2e/hooks.py.
 
 Tolerance: the largest |logprob difference| over the top-5 tokens of every compared position

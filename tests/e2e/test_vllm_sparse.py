@@ -1,4 +1,4 @@
-"""vLLM 0.25 with `--attention-backend CUSTOM` on a tiny DeepSeek-V3.2 checkpoint (sparse
+"""vLLM (0.25 or 0.33) with `--attention-backend CUSTOM` on a tiny DeepSeek-V3.2 checkpoint (sparse
 attention: a lightning indexer picks index_topk keys per token) against vLLM's two sparse MLA
 backends for Hopper, FLASHMLA_SPARSE and FLASH_ATTN_MLA_SPARSE (FlashAttention 3 over the
 top-k slots; vLLM's first choice on Hopper), on the same prompts. Engines, prompts, result
@@ -22,8 +22,9 @@ gpu tier.
 fp8_ds_mla: no backend of vLLM 0.25 runs it on Hopper (FLASHMLA_SPARSE stops at the cache
 reshape, see docs/vllm.md; FLASH_ATTN_MLA_SPARSE takes 16-bit caches only). The peer is
 FLASHMLA_SPARSE on a bf16 cache whose every write is rounded through the fp8_ds_mla format
-(tests/e2e/hooks.py, round_cache_to): it attends over the values an fp8_ds_mla cache holds
-(rounded to bf16), so CUSTOM on a real fp8_ds_mla cache must meet it within the same tolerance.
+as the installed vLLM's writer quantizes it (tests/e2e/hooks.py, round_cache_to): it attends
+over the values an fp8_ds_mla cache holds (rounded to bf16), so CUSTOM on a real fp8_ds_mla
+cache must meet it within the same tolerance.
 
 Negative control: CUSTOM with a deliberately wrong kernel (scores without the 64 RoPE dims)
 must fail the same rule.
