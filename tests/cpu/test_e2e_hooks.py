@@ -140,7 +140,8 @@ def _check_fused_writer_rounded(hooks, monkeypatch):
     """vLLM 0.33: DeepSeek-V3.2's attention layer calls the fused norm/RoPE kernel (by its
     module's name, with the keywords the hook reads) to write the cache; the hook runs that
     kernel without its cache write and writes kv_c rounded through fp8_ds_mla (power-of-two
-    tile scales, as 0.33's writer) and k_pe unchanged to the same slots."""
+    tile scales, from the kernel's float32 kv_c, as 0.33's writer) and k_pe unchanged to the
+    same slots; the caller's kv_c_out gets the kernel's kv_c in bf16 as before."""
     import inspect
 
     from vllm import _custom_ops
@@ -150,15 +151,15 @@ def _check_fused_writer_rounded(hooks, monkeypatch):
     used = {"mla_kv_cache", "mla_kv_cache_dtype", "mla_k_scale", "kv_c_out", "k_pe_out",
             "slot_mapping"}
     assert used <= set(inspect.signature(attention.fused_norm_rope).parameters)
-    kv_c = (torch.randn(6, 512) * torch.tensor([3.0, 0.01, 50.0, 1e-6]).repeat_interleave(128)
-            ).to(torch.bfloat16)
+    # tiles of very different magnitudes, the last one under the 1e-4 scale floor
+    kv_c = torch.randn(6, 512) * torch.tensor([3.0, 0.01, 50.0, 1e-6]).repeat_interleave(128)
     k_pe = torch.randn(6, 64).to(torch.bfloat16)
     kernel_calls, writes = [], []
 
     def kernel(positions, q_c, *rest, mla_kv_cache=None, kv_c_out=None, k_pe_out=None,
                **kwargs):
-        kernel_calls.append(mla_kv_cache)
-        kv_c_out.copy_(kv_c)
+        kernel_calls.append((mla_kv_cache, kv_c_out.dtype))
+        kv_c_out.copy_(kv_c)  # the kernel stores its float32 kv_c in kv_c_out's dtype
         k_pe_out.copy_(k_pe)
         return q_c + 1
 
@@ -167,28 +168,35 @@ def _check_fused_writer_rounded(hooks, monkeypatch):
                         lambda *args: writes.append(args))
     hooks.install({"round_cache_to": "fp8_ds_mla"})
     q_c, slots, scale = torch.zeros(6, 8), torch.arange(6), torch.tensor([1.0])
-    kv_out, pe_out = torch.empty_like(kv_c), torch.empty_like(k_pe)
+    kv_out = torch.empty(6, 512, dtype=torch.bfloat16)
+    pe_out = torch.empty_like(k_pe)
     got_q = attention.fused_norm_rope("pos", q_c, slot_mapping=slots, mla_kv_cache="cache",
                                       mla_kv_cache_dtype="auto", mla_k_scale=scale,
                                       kv_c_out=kv_out, k_pe_out=pe_out)
-    assert torch.equal(got_q, q_c + 1) and kernel_calls == [None]
+    assert torch.equal(got_q, q_c + 1) and kernel_calls == [(None, torch.float32)]
+    assert torch.equal(kv_out, kv_c.to(torch.bfloat16))
     (got, pe, cache, slot_arg, dtype, scale_arg), = writes
     assert pe is pe_out and torch.equal(pe, k_pe)
     assert (cache, slot_arg, dtype, scale_arg) == ("cache", slots, "auto", scale)
-    tiles = kv_c.float().reshape(6, 4, 128)
-    tile_scale = torch.exp2(torch.ceil(torch.log2(
-        (tiles.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-4))))
-    expect = ((tiles / tile_scale).to(torch.float8_e4m3fn).float() * tile_scale).reshape(6, 512)
-    assert torch.equal(got, expect.to(torch.bfloat16))
-    assert not torch.equal(got, kv_c)
+
+    def rounded(x):
+        tiles = x.float().reshape(6, 4, 128)
+        tile_scale = torch.exp2(torch.ceil(torch.log2(
+            (tiles.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-4))))
+        return ((tiles / tile_scale).to(torch.float8_e4m3fn).float() * tile_scale).reshape(6, 512)
+
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), rounded(kv_c))
+    # rounding the bf16 kv_c instead moves some values by one e4m3 step (double rounding)
+    assert not torch.equal(rounded(kv_c.to(torch.bfloat16)), rounded(kv_c))
     # e4m3 keeps 3 mantissa bits: within 1/16 of the tile's amax (plus, in a tiny tile whose
     # scale is floored at 1e-4, half a subnormal step)
-    err = (got.float() - kv_c.float()).abs().reshape(6, 4, 128).amax(-1)
-    assert (err <= tiles.abs().amax(-1) / 16 + 1e-4 * 2 ** -9).all()
+    err = (got.float() - kv_c).abs().reshape(6, 4, 128).amax(-1)
+    assert (err <= kv_c.abs().reshape(6, 4, 128).amax(-1) / 16 + 1e-4 * 2 ** -9).all()
+    assert err.amax() > 0
     assert hooks.report()["rounded_cache_writes"] == 1
     # no cache to write (profiling, PCP): the kernel as called, nothing rounded
     attention.fused_norm_rope("pos", q_c, kv_c_out=kv_out, k_pe_out=pe_out)
-    assert kernel_calls == [None, None] and len(writes) == 1
+    assert kernel_calls[1] == (None, torch.bfloat16) and len(writes) == 1
     with pytest.raises(RuntimeError, match="bf16 cache"):
         attention.fused_norm_rope("pos", q_c, slot_mapping=slots, mla_kv_cache="cache",
                                   mla_kv_cache_dtype="fp8_ds_mla", kv_c_out=kv_out,

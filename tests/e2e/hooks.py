@@ -55,7 +55,7 @@ from mla_backend.ops import dense, sparse
 from mla_backend.vllm import version
 
 PERTURBATIONS = ("partial_page_dropped", "rope_dropped", "lse_shifted_on_dcp_rank_1")
-kPow2ScaleFloor = 1e-4  # vLLM 0.33's fused fp8_ds_mla writer: smallest tile scale
+POW2_SCALE_FLOOR = 1e-4  # vLLM 0.33's fp8_ds_mla writer: tile scales at least this
 LSE_SHIFT = 1.0  # lse_shifted_on_dcp_rank_1: ln(e), one rank's keys weighted e times
 _seen: dict = {"options": {}, "calls_by_s_q": Counter(), "captured_by_s_q": Counter(),
                "sparse_calls": 0, "perturbed_calls": 0, "rounded_cache_writes": 0,
@@ -113,9 +113,10 @@ def _round_impl_cache_writes() -> None:
 
 
 def _round_fused_cache_writes() -> None:
-    """The fused kernel runs without its cache write (kv_c_out / k_pe_out still get the
-    normed kv_c and the RoPE'd k_pe, as the cache would), then vLLM's concat_and_cache_mla
-    writes the rounded kv_c and k_pe to the same slots."""
+    """The fused kernel runs without its cache write, its normed kv_c going to a float32
+    buffer (the kernel quantizes that float32 value for an fp8_ds_mla cache) and from there
+    to the caller's kv_c_out, its RoPE'd k_pe to k_pe_out; then vLLM's concat_and_cache_mla
+    writes the rounded kv_c and that k_pe to the same slots."""
     from vllm import _custom_ops
     from vllm.models.deepseek_v32 import attention
 
@@ -130,10 +131,12 @@ def _round_fused_cache_writes() -> None:
         _check_bf16_cache(mla_kv_cache_dtype)
         if kv_c_out is None or k_pe_out is None:
             raise RuntimeError("round_cache_to needs the fused kernel's kv_c_out and k_pe_out")
+        kv_c_fp32 = torch.empty(kv_c_out.shape, dtype=torch.float32, device=kv_c_out.device)
         q_c = original(*args, mla_kv_cache=None, mla_kv_cache_dtype=mla_kv_cache_dtype,
-                       mla_k_scale=mla_k_scale, kv_c_out=kv_c_out, k_pe_out=k_pe_out,
+                       mla_k_scale=mla_k_scale, kv_c_out=kv_c_fp32, k_pe_out=k_pe_out,
                        slot_mapping=slot_mapping, **kwargs)
-        rounded = round_through_fp8_ds_mla(kv_c_out, k_pe_out, pow2_scales=True)
+        kv_c_out.copy_(kv_c_fp32)
+        rounded = round_through_fp8_ds_mla(kv_c_fp32, k_pe_out, pow2_scales=True)
         scale = mla_k_scale if mla_k_scale is not None else torch.ones(
             1, dtype=torch.float32, device=kv_c_out.device)
         _custom_ops.concat_and_cache_mla(rounded, k_pe_out, mla_kv_cache, slot_mapping,
@@ -172,24 +175,26 @@ def _set_kv_scales_after_loading(k_scale: float, v_scale: float) -> None:
 
 def round_through_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor,
                              pow2_scales: bool = False) -> torch.Tensor:
-    """kv_c [T, 512] bf16 as an fp8_ds_mla cache holds it (dequantized, back in bf16); the
-    RoPE part of that format is the bf16 input unchanged. Scales per 128-value tile: amax / 448
-    (mla_backend.formats, vLLM's CUDA cache writer), or with pow2_scales that rounded up to a
-    power of two and at least 1e-4, as vLLM 0.33's fused V3.2 cache writer stores them."""
+    """kv_c [T, 512] as an fp8_ds_mla cache holds it (dequantized, in bf16, which holds those
+    values exactly); the RoPE part of that format is the bf16 input unchanged. Scales per
+    128-value tile: amax / 448 (mla_backend.formats, vLLM's CUDA cache writer; bf16 kv_c), or
+    with pow2_scales that rounded up to a power of two and at least 1e-4, as vLLM 0.33's fused
+    V3.2 cache writer computes them (from the bf16 or float32 kv_c it is given)."""
     if not pow2_scales:
         packed = formats.quantize_fp8_ds_mla(kv_c, k_pe.reshape(k_pe.shape[0], formats.ROPE_DIM))
         latent = formats.dequantize_fp8_ds_mla(packed)[:, :formats.KV_LORA_RANK]
         return latent.to(kv_c.dtype)
-    if kv_c.dtype != torch.bfloat16 or kv_c.shape[-1] != formats.KV_LORA_RANK:
-        raise ValueError(f"kv_c must be [T, {formats.KV_LORA_RANK}] bf16; got "
+    if (kv_c.dtype not in (torch.bfloat16, torch.float32) or kv_c.dim() != 2
+            or kv_c.shape[-1] != formats.KV_LORA_RANK):
+        raise ValueError(f"kv_c must be [T, {formats.KV_LORA_RANK}] bf16 or float32; got "
                          f"{tuple(kv_c.shape)} {kv_c.dtype}")
     tiles = kv_c.float().reshape(kv_c.shape[0], formats.FP8_DS_MLA_NUM_TILES,
                                  formats.FP8_DS_MLA_TILE)
     amax = tiles.abs().amax(dim=-1, keepdim=True)
     scale = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(
-        amax / torch.full_like(amax, formats.FP8_E4M3_MAX), kPow2ScaleFloor))))
+        amax / torch.full_like(amax, formats.FP8_E4M3_MAX), POW2_SCALE_FLOOR))))
     values = (tiles / scale).to(torch.float8_e4m3fn).float() * scale
-    return values.reshape(kv_c.shape).to(kv_c.dtype)
+    return values.reshape(kv_c.shape).to(torch.bfloat16)
 
 
 def _capturing() -> bool:
