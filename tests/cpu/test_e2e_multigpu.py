@@ -1,5 +1,6 @@
 """What the multi-GPU e2e tests rely on, checked without a GPU: the worker ranks read from an
 engine's log in the form vLLM 0.25 writes it (its own prefixing and process naming), the
+backend-selection line they look for (as 0.25 and 0.33 log it), the
 distance of logprobs from uniform, the hooks reaching every worker through a throwaway
 `vllm.general_plugins` distribution and reporting by rank, the DCP lse perturbation, and the
 harness starting engines in the background with the environment a multi-GPU engine needs."""
@@ -83,6 +84,26 @@ def test_ranks_logging_reads_vllms_prefixed_lines(color):
         "Worker_TP2_DCP0", "Worker_TP3_DCP1"]
     only_rank0 = _worker_lines("Worker_TP0", 11, [chose], color)
     assert parallel.missing_ranks(only_rank0, parallel.CUSTOM_SELECTED, 2) == ["Worker_TP1"]
+
+
+def test_backend_selection_line_is_the_one_the_e2e_tests_read():
+    """vLLM's CUDA platform logs the selected backend as "Using %s backend." with the enum
+    member (platforms/cuda.py, in 0.25 and 0.33; that module needs libcuda to import, so its
+    source is read), which formats to the line the e2e tests look for."""
+    import importlib.util
+    import logging
+    import pathlib
+    import re
+
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    vllm_dir = pathlib.Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
+    source = (vllm_dir / "platforms" / "cuda.py").read_text()
+    assert re.search(r'logger\.info\(\s*"Using %s backend\.",\s*selected_backend\s*\)', source)
+    record = logging.LogRecord("vllm.platforms.cuda", logging.INFO, "cuda.py", 1,
+                               "Using %s backend.", (AttentionBackendEnum.CUSTOM,), None)
+    assert record.getMessage() == parallel.CUSTOM_SELECTED
 
 
 def _record_line(pid: int, message: str) -> str:
