@@ -246,3 +246,37 @@ def test_kv_scales_set_after_loading(hooks, monkeypatch):
     assert float(layer._k_scale) == 1.5 and float(layer._v_scale) == 2.5
     assert (layer._k_scale_float, layer._v_scale_float) == (1.5, 2.5)
     assert hooks.report()["scaled_layers"] == 1
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_engine_run_reads_vllms_logprobs(flat):
+    """engine_run turns the installed vLLM's outputs (its own CompletionOutput with the
+    logprobs its engine builds: a dict per position, or FlatLogprobs when asked) into token ids
+    and per position [token, logprob] pairs, best first, the sampled token included."""
+    pytest.importorskip("vllm")
+    from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    # per position: the sampled token, its rank, then the top-2 (token, logprob)
+    steps = [(5, 1, [(5, -0.1), (9, -2.5)]), (7, 3, [(8, -0.2), (2, -0.9)])]
+    logprobs = create_sample_logprobs(flat)
+    for sampled, rank, top in steps:
+        sampled_lp = dict(top).get(sampled, -3.0)
+        append_logprobs_for_next_position(logprobs, [sampled] + [t for t, _ in top],
+                                          [sampled_lp] + [lp for _, lp in top],
+                                          [None] * 3, rank, 2)
+    out = RequestOutput("r0", None, [11, 12, 13], None, [CompletionOutput(
+        0, "", [5, 7], None, logprobs)], True)
+    seen = []
+
+    class LLM:
+        def generate(self, prompts, params, use_tqdm):
+            seen.append((prompts, params.logprobs, params.temperature))
+            return [out]
+
+    got = engine_run._generate(LLM(), {"prompts": [[11, 12, 13]], "max_tokens": 2,
+                                       "logprobs": 2})
+    assert seen == [([{"prompt_token_ids": [11, 12, 13]}], 2, 0.0)]
+    assert got == [{"prompt_len": 3, "token_ids": [5, 7], "logprobs": [
+        [[5, pytest.approx(-0.1)], [9, pytest.approx(-2.5)]],
+        [[8, pytest.approx(-0.2)], [2, pytest.approx(-0.9)], [7, pytest.approx(-3.0)]]]}]

@@ -1,7 +1,7 @@
 """What the multi-GPU e2e tests rely on, checked without a GPU: the worker ranks read from an
 engine's log in the form vLLM 0.25 writes it (its own prefixing and process naming), the
-backend-selection line they look for (as 0.25 and 0.33 log it), the
-distance of logprobs from uniform, the hooks reaching every worker through a throwaway
+backend-selection line they look for (as 0.25 and 0.33 log it), the distance of logprobs from
+uniform, the hooks reaching every worker through a throwaway
 `vllm.general_plugins` distribution and reporting by rank, the DCP lse perturbation, and the
 harness starting engines in the background with the environment a multi-GPU engine needs."""
 
