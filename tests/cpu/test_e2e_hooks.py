@@ -3,9 +3,7 @@ them (mla_backend.demo.engine_run, spec key "preload"): each option patches what
 nothing else, the perturbations change the kernel's inputs as documented, and the peer's
 cache rounding matches the fp8_ds_mla format."""
 
-import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -14,17 +12,6 @@ from mla_backend import formats, ops
 from mla_backend.demo import engine_run
 from mla_backend.ops import dense, sparse
 from mla_backend.vllm import version
-
-
-@pytest.fixture
-def hooks(monkeypatch):
-    """A fresh hooks module; whatever it patches is put back after the test."""
-    monkeypatch.setattr(ops, "mla_decode", ops.mla_decode)
-    monkeypatch.setattr(ops, "sparse_mla_decode", ops.sparse_mla_decode)
-    sys.modules.pop("tests.e2e.hooks", None)
-    module = importlib.import_module("tests.e2e.hooks")
-    yield module
-    sys.modules.pop("tests.e2e.hooks", None)
 
 
 class _Plan:

@@ -5,12 +5,10 @@ uniform, the hooks reaching every worker through a throwaway
 `vllm.general_plugins` distribution and reporting by rank, the DCP lse perturbation, and the
 harness starting engines in the background with the environment a multi-GPU engine needs."""
 
-import importlib
 import io
 import json
 import math
 import os
-import sys
 import threading
 import types
 from importlib import metadata
@@ -151,17 +149,6 @@ def test_above_uniform():
 # ------------------------------------------------------------------ hooks in every worker
 
 
-@pytest.fixture
-def fresh_hooks(monkeypatch):
-    """A fresh tests.e2e.hooks; whatever it patches is put back after the test."""
-    monkeypatch.setattr(ops, "mla_decode", ops.mla_decode)
-    monkeypatch.setattr(ops, "sparse_mla_decode", ops.sparse_mla_decode)
-    sys.modules.pop("tests.e2e.hooks", None)
-    module = importlib.import_module("tests.e2e.hooks")
-    yield module
-    sys.modules.pop("tests.e2e.hooks", None)
-
-
 def test_plugin_distribution_declares_the_entry_point(tmp_path):
     folder = worker_hooks.write_plugin(tmp_path / "plugin")
     found = [ep for dist in metadata.distributions(path=[folder])
@@ -171,7 +158,7 @@ def test_plugin_distribution_declares_the_entry_point(tmp_path):
     assert found[0].load() is worker_hooks.register
 
 
-def test_register_without_options_does_nothing(monkeypatch, fresh_hooks):
+def test_register_without_options_does_nothing(monkeypatch, hooks):
     monkeypatch.delenv(worker_hooks.OPTIONS_ENV, raising=False)
     before = ops.mla_decode
     worker_hooks.register()
@@ -185,7 +172,7 @@ def _fake_decode(monkeypatch):
     monkeypatch.setattr(dense, "mla_decode", fake)
 
 
-def test_workers_report_by_rank(tmp_path, monkeypatch, fresh_hooks):
+def test_workers_report_by_rank(tmp_path, monkeypatch, hooks):
     """Each process with vLLM's parallel groups writes its report after every hooked call;
     read_reports keeps those, by vLLM's worker name."""
     _fake_decode(monkeypatch)
@@ -197,7 +184,7 @@ def test_workers_report_by_rank(tmp_path, monkeypatch, fresh_hooks):
     assert not (tmp_path / "reports" / "stale.json").exists()  # a rerun starts empty
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(fresh_hooks, "_ranks",
+    monkeypatch.setattr(hooks, "_ranks",
                         lambda: {"tp": 1, "tp_size": 2, "dcp": 1, "dcp_size": 2})
     worker_hooks.register()
     ops.mla_decode(torch.zeros(3, 4, 128, 576), "cache", "table", "lens", "plan", 0.1)
@@ -212,7 +199,7 @@ def test_workers_report_by_rank(tmp_path, monkeypatch, fresh_hooks):
         worker_hooks.read_reports(str(tmp_path / "reports"))
 
 
-def test_register_needs_a_report_folder(monkeypatch, fresh_hooks):
+def test_register_needs_a_report_folder(monkeypatch, hooks):
     monkeypatch.setenv(worker_hooks.OPTIONS_ENV, json.dumps({"count": True}))
     monkeypatch.delenv(worker_hooks.REPORT_DIR_ENV, raising=False)
     with pytest.raises(RuntimeError, match="MLA_E2E_WORKER_HOOKS_DIR"):
@@ -220,22 +207,22 @@ def test_register_needs_a_report_folder(monkeypatch, fresh_hooks):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_lse_shifted_on_dcp_rank_1(monkeypatch, fresh_hooks, rank):
+def test_lse_shifted_on_dcp_rank_1(monkeypatch, hooks, rank):
     _fake_decode(monkeypatch)
-    monkeypatch.setattr(fresh_hooks, "_ranks",
+    monkeypatch.setattr(hooks, "_ranks",
                         lambda: {"tp": rank, "tp_size": 2, "dcp": rank, "dcp_size": 2})
-    fresh_hooks.install({"perturb": "lse_shifted_on_dcp_rank_1"})
+    hooks.install({"perturb": "lse_shifted_on_dcp_rank_1"})
     out, lse = ops.mla_decode(torch.zeros(2, 1, 128, 576), "c", "t", "l", "p", 0.1)
-    assert torch.equal(lse, torch.full((2, 1, 128), fresh_hooks.LSE_SHIFT * rank))
+    assert torch.equal(lse, torch.full((2, 1, 128), hooks.LSE_SHIFT * rank))
     assert not out.any()
-    assert fresh_hooks.report()["perturbed_calls"] == rank
+    assert hooks.report()["perturbed_calls"] == rank
 
 
-def test_lse_shift_refuses_an_engine_without_dcp(monkeypatch, fresh_hooks):
+def test_lse_shift_refuses_an_engine_without_dcp(monkeypatch, hooks):
     _fake_decode(monkeypatch)
-    monkeypatch.setattr(fresh_hooks, "_ranks",
+    monkeypatch.setattr(hooks, "_ranks",
                         lambda: {"tp": 1, "tp_size": 2, "dcp": 0, "dcp_size": 1})
-    fresh_hooks.install({"perturb": "lse_shifted_on_dcp_rank_1"})
+    hooks.install({"perturb": "lse_shifted_on_dcp_rank_1"})
     with pytest.raises(RuntimeError, match="needs decode context parallelism"):
         ops.mla_decode(torch.zeros(2, 1, 64, 576), "c", "t", "l", "p", 0.1)
 
