@@ -1,12 +1,14 @@
-"""mla_backend in vLLM, end to end, with no model download:
+"""mla_backend in vLLM or SGLang, end to end, with no model download:
 
-    python -m mla_backend.demo                 # a tiny DeepSeek-V3 written to a temp dir
+    python -m mla_backend.demo                 # vLLM, a tiny DeepSeek-V3 written to a temp dir
+    python -m mla_backend.demo --engine sglang # the same in SGLang
     python -m mla_backend.demo --model PATH    # a real DeepSeek-V2/V3 checkpoint
 
-Runs the same greedy prompts through vLLM with `--attention-backend CUSTOM` (our kernels)
-and with vLLM's default MLA backend (or --baseline NAME), each engine in its own process,
-then prints the generated tokens of both, whether they agree, and the decode tokens/s of
-each (batch --batch, prompts of --context tokens, FULL CUDA graphs for decode).
+Runs the same greedy prompts through the engine with our backend (vLLM: `--attention-backend
+CUSTOM`; SGLang: `--attention-backend mla_backend`) and with a built-in one (--baseline NAME;
+default: vLLM's own choice of MLA backend, SGLang's `flashmla`), each engine in its own
+process, then prints the generated tokens of both, whether they agree, and the decode
+tokens/s of each (batch --batch, prompts of --context tokens, CUDA graphs for decode).
 The tiny model's weights make attention non-uniform (mla_backend.demo.tiny_model), so
 agreement means something. Where the greedy tokens part, the demo prints the baseline's
 logprob margin between the two tokens, and whether that is a near-tie.
@@ -21,17 +23,23 @@ import re
 import sys
 import tempfile
 
-from . import engines, tiny_model
+from . import engines, sglang_run, tiny_model
+
+# engine -> (our backend's name in it, the default baseline: None = the engine's own choice)
+ENGINES = {"vllm": ("CUSTOM", None), "sglang": ("mla_backend", "flashmla")}
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m mla_backend.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", default="vllm", choices=list(ENGINES),
+                   help="the serving engine to run both backends in (default: vllm)")
     p.add_argument("--model", help="a DeepSeek-V2/V3 checkpoint dir (default: a tiny one)")
     p.add_argument("--heads", type=int, default=16,
                    help="query heads of the tiny model (16 = DeepSeek-V3 at TP8)")
     p.add_argument("--baseline", default=None,
-                   help="vLLM backend to compare with (default: vLLM's own choice)")
+                   help="the engine's backend to compare with (default: vLLM's own choice; "
+                        "SGLang: flashmla)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--model)")
@@ -70,7 +78,8 @@ def _token(tok, t: int) -> str:
     return repr(tok.decode([t])) if tok is not None else str(t)
 
 
-def _partings(ours: list[dict], peer: list[dict], cmp: dict, peer_name: str, tok) -> list[str]:
+def _partings(ours: list[dict], peer: list[dict], cmp: dict, peer_name: str, tok,
+              ours_name: str = "CUSTOM") -> list[str]:
     """One line per prompt whose greedy tokens part (cmp = engines.compare(ours, peer)): the
     two tokens and the baseline's logprob margin between them. The margin is a near-tie when
     it is within twice the largest |logprob difference| of the two backends at the positions
@@ -87,7 +96,7 @@ def _partings(ours: list[dict], peer: list[dict], cmp: dict, peer_name: str, tok
     for d in cmp["divergences"]:
         i, j = d["prompt"], d["position"]
         a, b = d["tokens"]
-        head = (f"  prompt {i} parts at generated token {j}: CUSTOM chose {_token(tok, a)}, "
+        head = (f"  prompt {i} parts at generated token {j}: {ours_name} chose {_token(tok, a)}, "
                 f"{peer_name} {_token(tok, b)}")
         ranked = peer[i]["logprobs"]
         top = dict(map(tuple, ranked[j])) if j < len(ranked) else {}
@@ -104,8 +113,47 @@ def _partings(ours: list[dict], peer: list[dict], cmp: dict, peer_name: str, tok
     return lines
 
 
+def engine_spec(args, model: str, tokenizer: bool, prompts: list[list[int]]) -> dict:
+    """Everything but the backend of the engine runs' spec (engine_run's keys for vLLM,
+    sglang_run's for SGLang). Decode is timed on `batch` prompts of context - max_tokens
+    tokens, 32 steps, median of 3 repeats."""
+    timing = {"prompt_len": args.context - args.max_tokens, "batch": args.batch, "steps": 32,
+              "repeats": 3}
+    if args.engine == "vllm":
+        return {"model": model, "tokenizer": tokenizer,
+                "mode": "eager" if args.eager else "graphs",
+                "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.context + 512,
+                "max_num_seqs": max(64, args.batch), "tensor_parallel_size": args.tp,
+                "gpu_memory_utilization": 0.5, "prompts": prompts,
+                "max_tokens": args.max_tokens, "logprobs": 5, "timing": timing}
+    # flashinfer_mla_disable_ragged: prefill (not compared here) on FlashInfer's paged MLA
+    # kernel only, one JIT build on first use instead of two
+    engine_args = {"flashinfer_mla_disable_ragged": True}
+    if args.tp > 1:
+        engine_args["tp_size"] = args.tp
+    return {"model": model, "graphs": not args.eager,
+            "kv_cache_dtype": {"auto": "auto", "fp8": "fp8_e4m3"}[args.kv_cache_dtype],
+            "context_length": args.context + 512, "chunked_prefill_size": 8192,
+            "max_running_requests": max(len(prompts), args.batch),
+            "mem_fraction_static": None if args.model else 0.3, "engine_args": engine_args,
+            "prompts": prompts, "max_new_tokens": args.max_tokens, "logprobs": 5,
+            "timing": dict(timing, log_interval=8)}
+
+
+def _run(engine: str, spec: dict, log: str, label: str) -> dict:
+    if engine == "vllm":
+        return engines.run_engine(spec, log, label=label, progress=True)
+    return sglang_run.run(spec, log, timeout_s=900, label=label, progress=True)
+
+
 def main(argv=None) -> int:
     args = _parse(argv if argv is not None else sys.argv[1:])
+    missing = engines.engine_missing(args.engine)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
+    ours_backend, default_baseline = ENGINES[args.engine]
+    baseline = args.baseline or default_baseline
     tmp = tempfile.TemporaryDirectory(prefix="mla_backend_demo_")
     logs = args.logs or tmp.name
     os.makedirs(logs, exist_ok=True)
@@ -120,31 +168,28 @@ def main(argv=None) -> int:
     with open(os.path.join(model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     prompts, tok = _prompts(args.model, vocab)
-    print(f"mla_backend demo: {desc}\n  model dir: {model}", flush=True)
-    base = {"model": model, "tokenizer": tokenizer_ok and tok is not None,
-            "mode": "eager" if args.eager else "graphs", "kv_cache_dtype": args.kv_cache_dtype,
-            "max_model_len": args.context + 512, "max_num_seqs": max(64, args.batch),
-            "tensor_parallel_size": args.tp, "gpu_memory_utilization": 0.5,
-            "prompts": prompts, "max_tokens": args.max_tokens, "logprobs": 5,
-            "timing": {"prompt_len": args.context - args.max_tokens, "batch": args.batch,
-                       "steps": 32, "repeats": 3}}
+    where = " in SGLang" if args.engine == "sglang" else ""
+    print(f"mla_backend demo{where}: {desc}\n  model dir: {model}", flush=True)
+    base = engine_spec(args, model, tokenizer_ok and tok is not None, prompts)
     runs = {}
-    for label, backend in (("CUSTOM", "CUSTOM"), ("baseline", args.baseline)):
+    for label, backend in ((ours_backend, ours_backend), ("baseline", baseline)):
         log = os.path.join(logs, f"engine-{label}.log")
         try:
-            res = engines.run_engine(dict(base, backend=backend), log, label=f"[{label}]",
-                                     progress=True)
+            res = _run(args.engine, dict(base, backend=backend), log, f"[{label}]")
         except engines.EngineFailed as e:
             print(str(e), file=sys.stderr)
             return 1
-        res["backend_name"] = _chosen_backend(log) or (backend or "vLLM default")
+        if args.engine == "vllm":
+            backend = _chosen_backend(log) or (backend or "vLLM default")
+        res["backend_name"] = backend
         runs[label] = res
-    ours, peer = runs["CUSTOM"], runs["baseline"]
+    ours, peer = runs[ours_backend], runs["baseline"]
+    ours_name = "CUSTOM (mla_backend)" if args.engine == "vllm" else ours_backend
     peer_name = peer["backend_name"]
     print()
     for i, (a, b) in enumerate(zip(ours["outputs"], peer["outputs"], strict=True)):
         print(f"prompt {i} ({a['prompt_len']} tokens)")
-        for name, out in (("CUSTOM (mla_backend)", a), (peer_name, b)):
+        for name, out in ((ours_name, a), (peer_name, b)):
             text = tok.decode(out["token_ids"]) if tok is not None else " ".join(
                 map(str, out["token_ids"]))
             print(f"  {name:22s}: {text}")
@@ -154,11 +199,12 @@ def main(argv=None) -> int:
     print(f"\ngenerated tokens agree: {agree} ({cmp['matching_tokens']}/"
           f"{cmp['total_tokens']}); largest |logprob difference| over "
           f"{cmp['positions_compared']} positions: {cmp['max_abs_logprob_diff']:.4f}")
-    for line in _partings(ours["outputs"], peer["outputs"], cmp, peer_name, tok):
+    for line in _partings(ours["outputs"], peer["outputs"], cmp, peer_name, tok,
+                          ours_backend):
         print(line)
     print(f"decode tokens/s (batch {args.batch}, {args.context}-token context, "
           f"{'eager' if args.eager else 'CUDA graphs'}):")
-    for name, run in (("CUSTOM (mla_backend)", ours), (peer_name, peer)):
+    for name, run in ((ours_name, ours), (peer_name, peer)):
         t = run.get("timing")
         if t is None:
             print(f"  {name:22s}: not measured ({run.get('timing_error', 'no timing')})")

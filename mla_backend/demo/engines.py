@@ -1,8 +1,10 @@
-"""Start vLLM engines in child processes (mla_backend.demo.engine_run) and compare what they
-generated. Used by the demo, the e2e tests and bench/e2e_decode.py."""
+"""Start engines in child processes (vLLM: mla_backend.demo.engine_run, SGLang:
+mla_backend.demo.sglang_run) and compare what they generated. Used by the demo, the e2e tests
+and bench/e2e_decode.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,11 +18,44 @@ class EngineFailed(RuntimeError):
     pass
 
 
+VLLM_RUNNER = "mla_backend.demo.engine_run"
+SGLANG_RUNNER = "mla_backend.demo.sglang_run"
+# engine -> (its Python package, how to install it)
+PACKAGES = {"vllm": ("vllm", "pip install vllm==0.25.0 (or a 0.33.x release)"),
+            "sglang": ("sglang", 'pip install "sglang==0.5.17"')}
+SGLANG_ENTRY_POINT = "mla_backend_entry.sglang_plugin:register"
+
+
+def sglang_entry_point_installed() -> bool:
+    """Whether this package's sglang.srt.plugins entry point is installed: SGLang's scheduler
+    processes load the plugin only through it."""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "mla_backend" and ep.value == SGLANG_ENTRY_POINT
+               for ep in entry_points(group="sglang.srt.plugins"))
+
+
+def engine_missing(engine: str) -> str | None:
+    """Why `engine` ("vllm" or "sglang") cannot run from this Python (None: it can): its
+    package is not importable, or, for SGLang, this package's plugin entry point is not
+    installed. (vLLM's runner registers the plugin itself where the entry point is missing.)"""
+    package, install = PACKAGES[engine]
+    if importlib.util.find_spec(package) is None:
+        return (f"--engine {engine}: the {package} package is not importable by "
+                f"{sys.executable}; install it there ({install}) or pick another --engine")
+    if engine == "sglang" and not sglang_entry_point_installed():
+        return ("--engine sglang: mla_backend's sglang.srt.plugins entry point is not installed "
+                f"in {sys.executable} (SGLang loads the backend only through it): from the "
+                "clone, python -m pip install --no-build-isolation -e .")
+    return None
+
+
 def run_engine(spec: dict, log_path: str, *, label: str = "", progress: bool = False,
-               timeout_s: float = 900, env: dict | None = None) -> dict:
-    """Run one engine (python -m mla_backend.demo.engine_run) and return its result. Its output
-    goes to log_path; with progress, stderr shows the seconds until it ends: one line updated
-    in place on a terminal, else a plain line now and then (a log stays short)."""
+               timeout_s: float = 900, env: dict | None = None,
+               runner: str = VLLM_RUNNER, engine: str = "vLLM") -> dict:
+    """Run one engine (python -m `runner` SPEC RESULT) and return its result. Its output goes
+    to log_path; with progress, stderr shows the seconds until it ends: one line updated in
+    place on a terminal, else a plain line now and then (a log stays short)."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         with open(spec_path, "w") as f:
@@ -30,15 +65,15 @@ def run_engine(spec: dict, log_path: str, *, label: str = "", progress: bool = F
         start = time.time()
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "mla_backend.demo.engine_run", spec_path, out_path],
+                [sys.executable, "-m", runner, spec_path, out_path],
                 stdout=log, stderr=subprocess.STDOUT, env=child_env)
             done = threading.Event()
             tty = sys.stderr.isatty()
             if progress:
                 if not tty:
-                    print(f"{label}: starting vLLM and generating (log: {log_path})",
+                    print(f"{label}: starting {engine} and generating (log: {log_path})",
                           file=sys.stderr, flush=True)
-                threading.Thread(target=_tick, args=(label, start, done, tty),
+                threading.Thread(target=_tick, args=(label, engine, start, done, tty),
                                  daemon=True).start()
             try:
                 rc = proc.wait(timeout=timeout_s)
@@ -58,12 +93,12 @@ def run_engine(spec: dict, log_path: str, *, label: str = "", progress: bool = F
             return json.load(f)
 
 
-def _tick(label: str, start: float, done: threading.Event, tty: bool) -> None:
+def _tick(label: str, engine: str, start: float, done: threading.Event, tty: bool) -> None:
     """Progress: on a terminal every 2 s, rewriting one line; elsewhere a new line a minute."""
     while not done.wait(2.0 if tty else 60.0):
         elapsed = time.time() - start
         if tty:
-            print(f"\r{label}: starting vLLM and generating ... {elapsed:.0f} s", end="",
+            print(f"\r{label}: starting {engine} and generating ... {elapsed:.0f} s", end="",
                   file=sys.stderr, flush=True)
         else:
             print(f"{label}: still running after {elapsed:.0f} s", file=sys.stderr, flush=True)

@@ -13,7 +13,8 @@ router choosing among experts flips its choice on bf16-level differences between
 6e-4), which would turn a kernel comparison into a coin toss.
 
 `write_config` writes only `config.json` (for `load_format="dummy"`, e.g. DeepSeek-sized
-models in the end-to-end benchmark).
+models in the end-to-end benchmark). `write_tokenizer` adds a word-level tokenizer, for a
+server whose API needs one (SGLang's OpenAI API detokenizes what it returns).
 """
 
 from __future__ import annotations
@@ -152,4 +153,22 @@ def write_checkpoint(path: str, *, seed: int = 0, attention_gain: float = 2.0,
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
+    return path
+
+
+def write_tokenizer(path: str, vocab: int = 2048) -> str:
+    """Write tokenizer.json + tokenizer_config.json to `path` (a model dir); return `path`.
+    Token i is the word "t<i>"; 0, 1 and 2 are "<s>", "</s>" (make_config's bos and eos) and
+    "<unk>" (any other word). Words are split at whitespace; decoding joins them with spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<s>": 0, "</s>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                   "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False,
+                   "model_max_length": 1 << 20}, f, indent=1)
     return path

@@ -20,13 +20,25 @@ The closeness rule is the vLLM e2e tier's: compared positions up to each prompt'
 differing token, largest |top-5 logprob difference| <= max(2 x the spread between flashmla and
 triton on the same prompts, 0.02), top-5 overlap >= 0.6. Engine logs and a JSON report go to
 $SGLANG_E2E_OUT (default: a temporary folder).
+
+Then the README's server command: `python -m sglang.launch_server --attention-backend
+mla_backend` on the same model (with a word-level tokenizer from tiny_model: SGLang's OpenAI
+API detokenizes what it returns, so it cannot run with skip_tokenizer_init), in a process
+group of its own, answering one OpenAI /v1/completions request with a token-id prompt; the
+test stops the server (the whole group) whether it answered or not.
 """
 
 import json
 import math
 import os
 import pathlib
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -57,8 +69,9 @@ def out_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny-v3-h16"))
-    return tiny_model.write_checkpoint(path, arch="v3", heads=16, layers=2, vocab=VOCAB,
-                                       max_positions=8192)
+    tiny_model.write_checkpoint(path, arch="v3", heads=16, layers=2, vocab=VOCAB,
+                                max_positions=8192)
+    return tiny_model.write_tokenizer(path, VOCAB)  # for the server; the engines skip it
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +128,82 @@ def test_ours_matches_flashmla(runs):
     runs["report"]["flashmla vs triton"] = spread
     runs["report"]["mla_backend vs flashmla"] = dict(cmp, tolerance=tol, failed=failed)
     assert not failed, (failed, cmp, spread)
+
+
+SERVER_START_S = 300  # until /health answers: start, graph capture, first-use JIT, warmup
+COMPLETION_TOKENS = 8
+
+
+def launch_command(model: str, port: int) -> list[str]:
+    """The README's `launch_server --attention-backend mla_backend`, kept small: decode
+    graphs up to batch 4, prefill on FlashInfer's paged MLA kernel (one JIT build)."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+            "--attention-backend", "mla_backend", "--host", "127.0.0.1", "--port", str(port),
+            "--context-length", "4096", "--mem-fraction-static", "0.3",
+            "--max-running-requests", "4", "--cuda-graph-max-bs-decode", "4",
+            "--flashinfer-mla-disable-ragged", "--random-seed", "0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(server: subprocess.Popen, port: int, log: pathlib.Path) -> None:
+    deadline = time.time() + SERVER_START_S
+    while time.time() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"launch_server exited ({server.returncode}):\n"
+                        f"{log.read_text(errors='replace')[-4000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+            return
+        except OSError:  # refused, or 503 while it starts
+            time.sleep(3)
+    pytest.fail(f"launch_server did not answer /health in {SERVER_START_S} s; log {log}")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (it and its scheduler / detokenizer), SIGKILL
+    after 60 s."""
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(server.pid, signal.SIGKILL)  # children that outlived the leader
+    except ProcessLookupError:
+        pass
+    server.wait(timeout=30)
+
+
+def test_launch_server_answers_a_completion(model, out_dir):
+    port = _free_port()
+    log = out_dir / "launch_server-mla_backend.log"
+    cmd = launch_command(model, port)
+    prompt = list(range(3, 40))
+    with open(log, "w") as f:
+        server = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                  start_new_session=True,
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        _wait_healthy(server, port, log)
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": COMPLETION_TOKENS,
+                           "temperature": 0, "ignore_eos": True,
+                           "return_token_ids": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        answer = json.load(urllib.request.urlopen(req, timeout=120))
+    finally:
+        _stop(server)
+    with open(out_dir / "launch_server-answer.json", "w") as f:
+        json.dump({"command": cmd[1:], "answer": answer}, f, indent=1)
+    choice = answer["choices"][0]
+    assert answer["usage"]["completion_tokens"] == COMPLETION_TOKENS, answer
+    assert len(choice["token_ids"]) == COMPLETION_TOKENS, answer
+    # the tokenizer's words: "t<id>" per generated token ("</s>" is skipped as special)
+    assert choice["text"].split() == [f"t{t}" for t in choice["token_ids"] if t > 2], answer
+    assert "dense MLA decode on mla_backend kernels" in log.read_text(errors="replace")
