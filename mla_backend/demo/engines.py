@@ -104,11 +104,16 @@ def _tick(label: str, engine: str, start: float, done: threading.Event, tty: boo
             print(f"{label}: still running after {elapsed:.0f} s", file=sys.stderr, flush=True)
 
 
+def _lead(top: dict, own: int, other: int) -> float | None:
+    return top[own] - top[other] if own in top and other in top else None
+
+
 def compare(a: list[dict], b: list[dict]) -> dict:
     """Greedy outputs of two engines on the same prompts. Per prompt, positions are compared
     up to and including the first where the chosen tokens differ (after it the contexts
     differ). At each compared position: the largest |logprob_a - logprob_b| over tokens in
-    both top-k lists, and the top-k overlap."""
+    both top-k lists, and the top-k overlap. Where the tokens part: both tokens and each
+    engine's logprob margin of its token over the other's."""
     max_diff, positions, matched, total, divergences = 0.0, 0, 0, 0, []
     min_overlap = None
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -122,9 +127,12 @@ def compare(a: list[dict], b: list[dict]) -> dict:
             if common:
                 max_diff = max(max_diff, max(abs(lx[t] - ly[t]) for t in common))
             positions += 1
-            if x["token_ids"][j] != y["token_ids"][j]:
-                divergences.append({"prompt": i, "position": j,
-                                    "tokens": [x["token_ids"][j], y["token_ids"][j]]})
+            ta, tb = x["token_ids"][j], y["token_ids"][j]
+            if ta != tb:
+                # each engine's lead of its own token over the other's (None: the other's
+                # token is not in its top-k): a near-tie reads as small margins
+                divergences.append({"prompt": i, "position": j, "tokens": [ta, tb],
+                                    "margins": [_lead(lx, ta, tb), _lead(ly, tb, ta)]})
                 break
             matched += 1
     return {"max_abs_logprob_diff": max_diff, "positions_compared": positions,
