@@ -16,6 +16,7 @@ from .support import NAME, PAGE_SIZE, page_size_reason
 _logger = logging.getLogger("sglang.mla_backend")
 _SERVER_ARGS_INIT = "sglang.srt.server_args.ServerArgs.__post_init__"
 DRAFT_BACKEND = "flashmla"
+SPARSE_DRAFT_BACKEND = "dsa"  # the draft default for DSA models (their draft layers index too)
 _registered = False
 
 
@@ -29,9 +30,10 @@ def uses_mla_backend(server_args) -> bool:
 def set_defaults(server_args, *args, **kwargs) -> None:
     """BEFORE hook on ServerArgs.__post_init__, for our backend: an unset --page-size becomes
     64 (any other explicit value is refused; SGLang shows the ValueError), and with speculative
-    decoding an unset --speculative-draft-attention-backend becomes flashmla (SGLang builds the
-    draft model's multi-step backends from a fixed list of names; the target model, whose
-    verify steps run on our kernel, stays on mla_backend)."""
+    decoding an unset --speculative-draft-attention-backend becomes flashmla, or dsa for a DSA
+    model, whose draft layers run an indexer (SGLang builds the draft model's multi-step
+    backends from a fixed list of names; the target model, whose verify steps run on our
+    kernel, stays on mla_backend)."""
     if not uses_mla_backend(server_args):
         return None
     if server_args.page_size is None:
@@ -42,10 +44,30 @@ def set_defaults(server_args, *args, **kwargs) -> None:
         raise ValueError(reason)
     if (getattr(server_args, "speculative_algorithm", None)
             and not getattr(server_args, "speculative_draft_attention_backend", None)):
-        server_args.speculative_draft_attention_backend = DRAFT_BACKEND
+        draft = SPARSE_DRAFT_BACKEND if _is_sparse_model(server_args) else DRAFT_BACKEND
+        server_args.speculative_draft_attention_backend = draft
         _logger.info("%s: the draft model runs on --speculative-draft-attention-backend %s",
-                     NAME, DRAFT_BACKEND)
+                     NAME, draft)
     return None
+
+
+def _is_sparse_model(server_args) -> bool:
+    """Whether SGLang runs the served model with DeepSeek sparse attention, from the model's
+    config (read here as SGLang reads it: ServerArgs is read-only once resolved, so the draft
+    default must be set before)."""
+    import json
+
+    if not getattr(server_args, "model_path", None):
+        return False  # no model to read (SGLang refuses such arguments itself)
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    overrides = json.loads(getattr(server_args, "json_model_override_args", None) or "{}")
+    config = get_config(server_args.model_path,
+                        trust_remote_code=getattr(server_args, "trust_remote_code", False),
+                        revision=getattr(server_args, "revision", None),
+                        model_override_args=overrides)
+    return is_deepseek_dsa(config)
 
 
 def check_page_size(result, server_args, *args, **kwargs) -> None:

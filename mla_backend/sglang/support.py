@@ -17,6 +17,7 @@ MAX_HEADS = 128  # ops.MAX_HEADS
 MAX_Q_TOKENS = 8  # ops.MAX_Q_TOKENS_PER_REQ
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 FP8_CACHE = torch.float8_e4m3fn
+SPARSE_FP8_BYTES = 656  # formats.FP8_DS_MLA_BYTES: SGLang's fp8 DSA token (flashmla_kv layout)
 
 
 def page_size_reason(page_size: int | None) -> str | None:
@@ -26,16 +27,13 @@ def page_size_reason(page_size: int | None) -> str | None:
     return None
 
 
-def model_reason(*, is_mla: bool, is_dsa: bool, kv_lora_rank: int | None,
+def model_reason(*, is_mla: bool, kv_lora_rank: int | None,
                  qk_rope_head_dim: int | None) -> str | None:
-    """The model: dense MLA with the 512 + 64 latent cache."""
+    """The model: MLA (dense or DSA) with the 512 + 64 latent cache."""
     if not is_mla:
-        return (f"{NAME} implements MLA attention only (DeepSeek-V2/V3/R1 and models built on "
-                f"them); this model's attention is not MLA: choose another --attention-backend")
-    if is_dsa:
-        return (f"this is a DeepSeek sparse-attention (DSA, DeepSeek-V3.2) model; {NAME} runs "
-                f"dense MLA models (DeepSeek-V2/V3/R1) in SGLang so far: leave "
-                f"--attention-backend unset (SGLang picks its dsa backend)")
+        return (f"{NAME} implements MLA attention only (DeepSeek-V2/V3/R1/V3.2 and models "
+                f"built on them); this model's attention is not MLA: choose another "
+                f"--attention-backend")
     if (kv_lora_rank, qk_rope_head_dim) != (LATENT_DIM, ROPE_DIM):
         return (f"{NAME} runs MLA with kv_lora_rank {LATENT_DIM} and qk_rope_head_dim "
                 f"{ROPE_DIM}; this model has {kv_lora_rank} and {qk_rope_head_dim}")
@@ -54,6 +52,45 @@ def dtype_reason(model_dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> str |
                 f"scale); pass --kv-cache-dtype fp8_e4m3 or auto")
     return (f"kv cache dtype {kv_cache_dtype} with model dtype {model_dtype}: {NAME} keeps the "
             f"cache in the model dtype or in fp8 e4m3; pass --kv-cache-dtype auto or fp8_e4m3")
+
+
+def sparse_dtype_reason(model_dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> str | None:
+    """DSA: the sparse kernels take a bfloat16 query over a bfloat16 cache or SGLang's
+    656-byte fp8 cache (--kv-cache-dtype fp8_e4m3)."""
+    if model_dtype != torch.bfloat16:
+        return (f"model dtype {model_dtype}: {NAME}'s sparse (DSA) kernels run bfloat16; pass "
+                f"--dtype bfloat16")
+    if kv_cache_dtype in (torch.bfloat16, FP8_CACHE):
+        return None
+    return (f"kv cache dtype {kv_cache_dtype}: {NAME}'s sparse (DSA) kernels read a bfloat16 "
+            f"cache or the 656-byte fp8 cache; pass --kv-cache-dtype bfloat16 or fp8_e4m3")
+
+
+def sparse_cache_reason(kv_cache_dtype: torch.dtype, cache_bytes_per_token: int | None,
+                        store_fp8: bool) -> str | None:
+    """DSA: the pool SGLang built must hold what the sparse kernels read: 576 bf16 values, or
+    the 656-byte fp8 token (SGLang writes a 576-byte fp8 token without tile scales when a DSA
+    kernel option asks for it, e.g. --dsa-decode-backend trtllm)."""
+    if kv_cache_dtype != FP8_CACHE:
+        return None
+    if store_fp8 and cache_bytes_per_token == SPARSE_FP8_BYTES:
+        return None
+    return (f"the fp8 DSA cache SGLang built holds {cache_bytes_per_token} bytes per token; "
+            f"{NAME} reads the {SPARSE_FP8_BYTES}-byte layout (512 fp8 values, 4 float32 tile "
+            f"scales, 64 bf16 rope): leave --dsa-prefill-backend / --dsa-decode-backend unset "
+            f"(not trtllm), or pass --kv-cache-dtype bfloat16")
+
+
+def sparse_parallel_reason(cp_size: int, hisparse: bool) -> str | None:
+    """DSA: prefill context parallelism splits the tokens and their top-k across ranks, and
+    HiSparse swaps pages through its own buffer; neither is mapped by our adapter."""
+    if cp_size > 1:
+        return (f"attention context parallelism (size {cp_size}) is not supported by {NAME} "
+                f"for DSA models; leave --attention-backend unset (SGLang's dsa backend) for it")
+    if hisparse:
+        return (f"--enable-hisparse is not supported by {NAME}; leave --attention-backend "
+                f"unset (SGLang's dsa backend) for it")
+    return None
 
 
 def parallel_reason(heads_per_gpu: int, dcp_size: int) -> str | None:

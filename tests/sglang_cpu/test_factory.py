@@ -49,8 +49,6 @@ def test_supported_configurations(gpu_ok):
 
 
 @pytest.mark.parametrize("runner, kwargs, message", [
-    (dict(arch="v32"), {}, "DeepSeek sparse-attention \\(DSA, DeepSeek-V3.2\\) model; "
-     "mla_backend runs dense MLA models .* leave --attention-backend unset"),
     (dict(mla=False), {}, "implements MLA attention only"),
     (dict(kv_lora_rank=256), {}, "kv_lora_rank 512 and qk_rope_head_dim 64; this model has 256"),
     (dict(page_size=16), {}, "--page-size 16: .* pass --page-size 64"),
@@ -98,9 +96,9 @@ def test_refusal_goes_through_sglangs_backend_construction(gpu_ok):
     with get_parallel().override(attn_tp_size=1, attn_dcp_size=1), \
             get_context().override_server_args(speculative_num_draft_tokens=0,
                                                speculative_eagle_topk=1), \
-            pytest.raises(ValueError, match="^--attention-backend mla_backend: this is a "
-                                            "DeepSeek sparse-attention"):
-        ATTENTION_BACKENDS[NAME](_runner(arch="v32"))
+            pytest.raises(ValueError, match="^--attention-backend mla_backend: model dtype "
+                                            "torch.float32"):
+        ATTENTION_BACKENDS[NAME](_runner(dtype=torch.float32))
 
 
 def test_deepseek_policy_is_flashmlas():
