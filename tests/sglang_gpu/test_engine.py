@@ -18,8 +18,9 @@ times go to the report as it finishes.
 
 The closeness rule is the vLLM e2e tier's: compared positions up to each prompt's first
 differing token, largest |top-5 logprob difference| <= max(2 x the spread between flashmla and
-triton on the same prompts, 0.02), top-5 overlap >= 0.6. Engine logs and a JSON report go to
-$SGLANG_E2E_OUT (default: a temporary folder).
+triton on the same prompts, 0.02), top-5 overlap >= 0.6. Engine runs (once per configuration,
+kept across sessions in $SGLANG_E2E_CACHE_DIR), engine logs and the JSON report:
+tests/sglang_gpu/engine_runs.py.
 
 Then the README's server command: `python -m sglang.launch_server --attention-backend
 mla_backend` on the same model (with a word-level tokenizer from tiny_model: SGLang's OpenAI
@@ -29,41 +30,34 @@ test stops the server (the whole group) whether it answered or not.
 """
 
 import json
-import math
 import os
 import pathlib
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
-import torch
 
-from mla_backend.demo import engines, sglang_run, tiny_model
+from mla_backend.demo import tiny_model
+from tests.sglang_gpu import engine_runs
+from tests.sglang_gpu.engine_runs import NAME, assert_not_uniform, check_close, tolerance
 
 pytestmark = pytest.mark.gpu
 PROMPT_LENS = [1, 64, 1000, 3000]
-VOCAB = 2048
-# max_running_requests also caps the decode graphs (sglang_run): batch 1, 2 and 4
-BASE = {"graphs": True, "context_length": 4096, "chunked_prefill_size": 1024,
-        "max_running_requests": len(PROMPT_LENS), "mem_fraction_static": 0.3,
-        "max_new_tokens": 12, "logprobs": 5,
-        "engine_args": {"flashinfer_mla_disable_ragged": True},
-        "env": {"FLASHINFER_JIT_VERBOSE": "1"}}
-ENGINE_TIMEOUT_S = 300  # one engine, first-use compiles included
-MIN_TOPK_OVERLAP = 0.6
-ENGINES = ("flashmla", "triton", "mla_backend")
+VOCAB = engine_runs.VOCAB
+# label -> overrides of engine_runs.BASE (also read by tests/sglang_cpu); FlashInfer's builds
+# are logged (FLASHINFER_JIT_VERBOSE)
+ENGINE_SPECS = {b: {"backend": b, "engine_args": {"flashinfer_mla_disable_ragged": True},
+                    "env": {"FLASHINFER_JIT_VERBOSE": "1"}}
+                for b in ("flashmla", "triton", NAME)}
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory):
-    path = pathlib.Path(os.environ.get("SGLANG_E2E_OUT") or tmp_path_factory.mktemp("sg-e2e"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def out_dir():
+    return engine_runs.out_dir()
 
 
 @pytest.fixture(scope="module")
@@ -75,59 +69,23 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(model, out_dir):
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    results, report = {}, {}
-    for backend in ENGINES:
-        spec = dict(BASE, model=model, backend=backend, prompts=prompts)
-        log = out_dir / f"engine-{backend}.log"
-        results[backend] = sglang_run.run(spec, str(log), timeout_s=ENGINE_TIMEOUT_S)
-        results[backend]["log"] = str(log)
-        report[backend] = {k: results[backend][k] for k in ("engine_start_s", "generate_s")}
-        _write_report(out_dir, report)
-    results["report"] = report
-    yield results
-    _write_report(out_dir, report)
-
-
-def _write_report(out_dir, report):
-    with open(out_dir / "sglang-e2e-report.json", "w") as f:
-        json.dump(report, f, indent=1)
-
-
-def _failures(cmp: dict, tol: float) -> list[str]:
-    failed = []
-    if cmp["positions_compared"] < len(PROMPT_LENS) * 2:
-        failed.append(f"positions_compared {cmp['positions_compared']} < "
-                      f"{len(PROMPT_LENS) * 2}")
-    if cmp["max_abs_logprob_diff"] > tol:
-        failed.append(f"max_abs_logprob_diff {cmp['max_abs_logprob_diff']:.4f} > {tol:.4f}")
-    if cmp["min_topk_overlap"] < MIN_TOPK_OVERLAP:
-        failed.append(f"min_topk_overlap {cmp['min_topk_overlap']:.2f} < {MIN_TOPK_OVERLAP}")
-    return failed
+def runs(model):
+    return engine_runs.Engines("v3-h16", model, engine_runs.prompts(PROMPT_LENS), ENGINE_SPECS)
 
 
 def test_reference_is_not_uniform(runs):
     # near-uniform attention and logits would let every backend "agree"
-    top1 = [max(lp for _, lp in pos) for out in runs["flashmla"]["outputs"]
-            for pos in out["logprobs"] if pos]
-    assert statistics.median(top1) > -math.log(VOCAB) + 1.0, top1
+    assert_not_uniform("v3-h16", runs.run("flashmla"))
 
 
 def test_ours_served_by_our_backend(runs):
-    log = pathlib.Path(runs["mla_backend"]["log"]).read_text()
-    assert "dense MLA decode on mla_backend kernels" in log
+    assert "dense MLA decode on mla_backend kernels" in runs.run(NAME)["log"]
 
 
 def test_ours_matches_flashmla(runs):
-    spread = engines.compare(runs["flashmla"]["outputs"], runs["triton"]["outputs"])
-    tol = max(2 * spread["max_abs_logprob_diff"], 0.02)
-    cmp = engines.compare(runs["mla_backend"]["outputs"], runs["flashmla"]["outputs"])
-    failed = _failures(cmp, tol)
-    runs["report"]["flashmla vs triton"] = spread
-    runs["report"]["mla_backend vs flashmla"] = dict(cmp, tolerance=tol, failed=failed)
-    assert not failed, (failed, cmp, spread)
+    ref = runs.run("flashmla")
+    tol = tolerance("v3-h16, decode graphs: flashmla vs triton", ref, runs.run("triton"))
+    check_close("v3-h16, decode graphs: mla_backend vs flashmla", runs.run(NAME), ref, tol)
 
 
 SERVER_START_S = 300  # until /health answers: start, graph capture, first-use JIT, warmup
