@@ -1,4 +1,5 @@
-"""tests/e2e/hooks.py in every process of a multi-GPU engine.
+"""tests/e2e/hooks.py in every process of a multi-GPU engine (or of an SGLang engine, whose
+model runs in a scheduler process it spawns).
 
 A tensor-parallel engine runs its model in worker processes that the engine spawns, so a
 module imported into the engine's own process (engine_run's "preload") never reaches them.
@@ -37,14 +38,16 @@ def register() -> None:
     hooks.install(json.loads(raw), report_path=os.path.join(folder, f"{os.getpid()}.json"))
 
 
-def write_plugin(folder: str | os.PathLike) -> str:
+def write_plugin(folder: str | os.PathLike, group: str = "vllm.general_plugins") -> str:
     """The throwaway distribution (metadata and entry point only; the module is this file,
-    found through the repository root on PYTHONPATH) in folder; returns folder."""
+    found through the repository root on PYTHONPATH) in folder; returns folder. group: the
+    engine's plugin group, called in each of its processes (vLLM's general plugins, or
+    SGLang's "sglang.srt.plugins")."""
     dist = pathlib.Path(folder) / DIST
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: mla-backend-e2e-worker-hooks\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{ENTRY}\n")
+    (dist / "entry_points.txt").write_text(f"[{group}]\n{ENTRY}\n")
     return str(folder)
 
 

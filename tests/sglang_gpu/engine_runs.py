@@ -10,6 +10,11 @@ calls, or one stopped by a call's time limit, does not run its reference engines
 
 Report: every engine's start and generate times and every comparison go to
 $SGLANG_E2E_OUT/sglang-e2e-report.json (rewritten as entries come), engine logs beside it.
+
+Negative controls: a configuration with "worker_hooks": OPTIONS (tests/e2e/hooks.py's options,
+e.g. {"perturb": "partial_page_dropped"}) runs with those hooks installed in SGLang's
+scheduler process, through a throwaway `sglang.srt.plugins` entry point
+(tests/e2e/worker_hooks.py); the processes' hook reports come back as result["hooks"].
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import tempfile
 import threading
 
 from mla_backend.demo import engines, sglang_run
+from tests.e2e import worker_hooks
 from tests.e2e.harness import failures
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -40,6 +46,7 @@ ENGINE_TIMEOUT_S = 300  # one engine, first-use compiles included
 BASE = {"graphs": True, "context_length": 4096, "chunked_prefill_size": 1024,
         "max_running_requests": 4, "mem_fraction_static": 0.3, "max_new_tokens": 12,
         "logprobs": 5, "engine_args": {"max_total_tokens": 16384}}
+HOOKS_PLUGIN = "mla_backend_e2e_worker_hooks"  # worker_hooks' entry point name
 _report: dict = {}
 _lock = threading.Lock()
 
@@ -158,9 +165,13 @@ class Engines:
             log.write_text(result["log"])
             from_cache = True
         else:
-            result = sglang_run.run(spec, str(log), timeout_s=ENGINE_TIMEOUT_S,
+            run_spec, reports = _hooked(spec, out_dir() / f"hooks-{self.group}-{label}")
+            result = sglang_run.run(run_spec, str(log), timeout_s=ENGINE_TIMEOUT_S,
                                     label=f"{self.group} {label}")
             result["log"] = log.read_text(errors="replace")
+            if reports is not None:
+                result["hooks"] = [json.loads(p.read_text())
+                                   for p in sorted(reports.glob("*.json"))]
             if cached is not None:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 cached.write_text(json.dumps(result))
@@ -169,6 +180,31 @@ class Engines:
                                        "generate_s": result.get("generate_s"),
                                        "from_cache": from_cache, "cache_key": key[:16]})
         return result
+
+
+def _hooked(spec: dict, folder: pathlib.Path) -> tuple[dict, pathlib.Path | None]:
+    """The spec the engine runs (without "worker_hooks"), and where its processes' hook
+    reports go (None: no hooks). With hooks: the throwaway plugin first on PYTHONPATH, the
+    repository root after it (the plugin's module is tests.e2e.worker_hooks), the options in
+    the environment, and SGLANG_PLUGINS naming both our plugin and the hooks' (a whitelist
+    without the latter would leave the kernel unperturbed)."""
+    options = spec.get("worker_hooks")
+    run_spec = {k: v for k, v in spec.items() if k != "worker_hooks"}
+    if options is None:
+        return run_spec, None
+    plugin = worker_hooks.write_plugin(folder / "plugin", group="sglang.srt.plugins")
+    reports = folder / "reports"
+    env = worker_hooks.engine_env(plugin, str(reports), options)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (plugin, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env["SGLANG_PLUGINS"] = f"{NAME},{HOOKS_PLUGIN}"
+    run_spec["env"] = dict(run_spec.get("env", {}), **env)
+    return run_spec, reports
+
+
+def perturbed_calls(result: dict) -> int:
+    """How many kernel calls the hooks perturbed, over the engine's processes."""
+    return sum(r.get("perturbed_calls", 0) for r in result.get("hooks", []))
 
 
 def above_uniform(outputs: list[dict], vocab: int = VOCAB) -> float:
@@ -191,6 +227,20 @@ def tolerance(name: str, a: dict, b: dict) -> float:
     tol = max(2 * spread["max_abs_logprob_diff"], FLOOR)
     save(f"{name} (yardstick)", dict(spread, tolerance=tol))
     return tol
+
+
+def check_fails(name: str, wrong: dict, peer: dict, tol: float) -> dict:
+    """A negative control: a deliberately wrong kernel's outputs must fail the rule on the
+    logprobs or the top-5 overlap (not only on the number of compared positions), and the
+    hooks must have perturbed its calls."""
+    assert perturbed_calls(wrong) > 0, (name, "no kernel call was perturbed", wrong.get("hooks"))
+    cmp = engines.compare(wrong["outputs"], peer["outputs"])
+    failed = failures(cmp, tol, len(peer["outputs"]))
+    save(name, dict(cmp, tolerance=tol, failed=failed, negative_control=True,
+                    perturbed_calls=perturbed_calls(wrong)))
+    assert any(f.startswith(("max_abs_logprob_diff", "min_topk_overlap")) for f in failed), (
+        f"{name}: the wrong kernel passed the closeness rule", cmp, tol)
+    return cmp
 
 
 def check_close(name: str, ours: dict, peer: dict, tol: float) -> dict:

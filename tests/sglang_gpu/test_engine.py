@@ -27,6 +27,8 @@ mla_backend` on the same model (with a word-level tokenizer from tiny_model: SGL
 API detokenizes what it returns, so it cannot run with skip_tokenizer_init), in a process
 group of its own, answering one OpenAI /v1/completions request with a token-id prompt; the
 test stops the server (the whole group) whether it answered or not.
+The negative control (`-k negative_control`): ours in an eager engine whose kernel calls
+leave out each request's partly filled last page must fail the same rule against flashmla.
 """
 
 import json
@@ -53,6 +55,11 @@ VOCAB = engine_runs.VOCAB
 ENGINE_SPECS = {b: {"backend": b, "engine_args": {"flashinfer_mla_disable_ragged": True},
                     "env": {"FLASHINFER_JIT_VERBOSE": "1"}}
                 for b in ("flashmla", "triton", NAME)}
+# the negative control: ours eager, each decode's partly filled last page left out
+# (tests/e2e/hooks.py's partial_page_dropped, installed in SGLang's scheduler process)
+WRONG = f"{NAME}-eager-partial_page_dropped"
+ENGINE_SPECS[WRONG] = dict(ENGINE_SPECS[NAME], graphs=False,
+                           worker_hooks={"perturb": "partial_page_dropped"})
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +93,15 @@ def test_ours_matches_flashmla(runs):
     ref = runs.run("flashmla")
     tol = tolerance("v3-h16, decode graphs: flashmla vs triton", ref, runs.run("triton"))
     check_close("v3-h16, decode graphs: mla_backend vs flashmla", runs.run(NAME), ref, tol)
+
+
+def test_negative_control_v3_partial_page_dropped(runs):
+    # the same rule must fail on a kernel that leaves out each request's partly filled last
+    # page (`-k negative_control`: its own call; the references come from the run cache)
+    ref = runs.run("flashmla")
+    tol = tolerance("v3-h16, decode graphs: flashmla vs triton", ref, runs.run("triton"))
+    engine_runs.check_fails("v3-h16 negative control: mla_backend eager with the partial "
+                            "last page dropped vs flashmla", runs.run(WRONG), ref, tol)
 
 
 SERVER_START_S = 300  # until /health answers: start, graph capture, first-use JIT, warmup

@@ -33,7 +33,8 @@ two correct backends measures that on this model):
     dequantized) + flashmla_kv decode: the two prefill kernels SGLang offers for this cache.
 
 Groups (`bash scripts/gpu-sglang -k ...`, one 10-minute call each): `e2e_v32_bf16` and
-`e2e_v32_fp8`, three engines each. See docs/sglang.md for the expected times.
+`e2e_v32_fp8`, three engines each; `negative_control` (ours eager with q's RoPE dims zeroed
+must fail the bf16 rule; with test_engine.py's dense control). See docs/sglang.md for the expected times.
 """
 
 import pytest
@@ -65,6 +66,11 @@ ENGINE_SPECS = {
     "dsa-flashmla_sparse-flashmla_kv-fp8": _sglang_dsa("flashmla_sparse", "flashmla_kv",
                                                        "fp8_e4m3"),
     "mla_backend-fp8": {"backend": NAME, "kv_cache_dtype": "fp8_e4m3"},
+    # the negative control: ours eager, q's 64 RoPE dims zeroed in every sparse call
+    # (tests/e2e/hooks.py's rope_dropped, installed in SGLang's scheduler process)
+    "mla_backend-bf16-eager-rope_dropped": {"backend": NAME, "kv_cache_dtype": "bfloat16",
+                                            "graphs": False,
+                                            "worker_hooks": {"perturb": "rope_dropped"}},
 }
 
 
@@ -108,3 +114,15 @@ def test_e2e_v32_fp8_ours_matches_flashmla_kv(v32):
     _assert_ours_ran(ours, "fp8 656-byte")
     check_close("v32-h16 fp8_e4m3, decode graphs: mla_backend vs dsa flashmla_kv", ours, ref,
                 tol)
+
+
+def test_negative_control_v32_rope_dropped(v32):
+    # the bf16 rule must fail on a kernel that scores over the latent dims only
+    # (`-k negative_control`: its own call; the references come from the run cache)
+    ref = v32.run("dsa-flashmla_sparse-bf16")
+    tol = tolerance("v32-h16 bf16: dsa flashmla_sparse vs flashmla_sparse prefill + flashmla_kv "
+                    "decode (fp8-rounded keys in decode)", ref,
+                    v32.run("dsa-flashmla_sparse-flashmla_kv-bf16"))
+    engine_runs.check_fails("v32-h16 negative control: mla_backend eager with RoPE dropped vs "
+                            "dsa flashmla_sparse", v32.run("mla_backend-bf16-eager-rope_dropped"),
+                            ref, tol)
