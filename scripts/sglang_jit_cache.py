@@ -36,33 +36,49 @@ def _set_arch_env() -> None:
 
 
 def flashinfer_specs() -> list:
-    """FlashInfer JitSpecs the engines plan on Hopper. Dense MLA prefill with
-    flashinfer_mla_disable_ragged (flashmla and mla_backend engines): BatchMLAPagedAttention
-    with backend "auto" -> "fa3" on sm_90a, q/kv/o in the model dtype (bf16; an fp8_e4m3
-    cache is cast to bf16 before this kernel), int32 indices, 512 + 64 latent."""
+    """FlashInfer JitSpecs the engines build on Hopper. Dense MLA prefill with
+    flashinfer_mla_disable_ragged (flashmla and mla_backend engines): BatchMLAPagedAttention,
+    backend "auto" -> "fa3" on sm_90a, q/kv/o in the model dtype (bf16; an fp8_e4m3 cache is
+    cast to bf16 before this kernel), int32 indices, 512 + 64 latent. (The tiny models' router,
+    one expert group with top-2 of 2, skips FlashInfer's fused_topk_deepseek: SGLang requires
+    topk_group * n_group >= top-k for it, and routes through a Triton kernel instead.)"""
     _set_arch_env()
     import torch
+    from flashinfer.jit import core
     from flashinfer.jit.attention.modules import gen_batch_mla_module
 
+    if (ARCH[0], f"{ARCH[1]}a") not in core.current_compilation_context.TARGET_CUDA_ARCHS:
+        raise RuntimeError("flashinfer was imported before FLASHINFER_CUDA_ARCH_LIST=9.0a was "
+                           "set: run this script as a program")
     bf16 = torch.bfloat16
     return [gen_batch_mla_module("fa3", bf16, bf16, bf16, torch.int32, 512, 64, False)]
 
 
 def sglang_builders() -> list:
     """(label, zero-argument callable) for SGLang's JIT modules (sglang.kernels.jit) that the
-    tiny DeepSeek-V3 engines reach on Hopper, with the template arguments they are called
-    with: silu_and_mul of the dense and expert MLPs (bf16), the fused RoPE of
-    RotaryEmbedding (GPT-J style, 64 dims, bf16 q and k), the noaux_tc router gate."""
+    tiny DeepSeek engines reach on Hopper, with the template arguments they are called with:
+    silu_and_mul of the dense and expert MLPs (bf16); the fused RoPE of RotaryEmbedding
+    (64 dims, bf16 q and k; GPT-J style for MLA, NeoX style for the V3.2 indexer); V3.2's
+    indexer: the Hadamard rotation (bf16), the fused k norm + RoPE + fp8 store and the
+    index-cache store that its can_use check builds (bf16 keys, int64 slots, page 64). Norms,
+    the KV-cache write, the router and the MoE GEMMs run on sgl_kernel or Triton instead."""
     import torch
     from sglang.kernels.ops.activation import activation
+    from sglang.kernels.ops.attention import fused_store_index_cache as index_store
     from sglang.kernels.ops.attention import rope
-    from sglang.kernels.ops.moe import moe_fused_gate
+    from sglang.kernels.ops.quantization import hadamard
+    from sglang.kernels.ops.quantization.dsv32 import elementwise as dsv32
 
     bf16 = torch.bfloat16
     return [
         ("activation bf16", lambda: activation.activation_module(bf16)),
         ("fused_rope gptj 64 bf16", lambda: rope._jit_fused_rope_module(False, 64, bf16, bf16)),
-        ("moe_fused_gate", moe_fused_gate._jit_moe_fused_gate_module),
+        ("fused_rope neox 64 bf16", lambda: rope._jit_fused_rope_module(True, 64, bf16, bf16)),
+        ("hadamard bf16", lambda: hadamard._jit_hadamard_module(bf16)),
+        ("dsv32 k indexer norm rope store p64",
+         lambda: dsv32._jit_k_indexer_norm_rope_store_module(bf16, 64)),
+        ("dsa index-cache store bf16 int64 p64",
+         lambda: index_store._jit_dsa_fused_store_module(bf16, torch.int64, 64)),
     ]
 
 
