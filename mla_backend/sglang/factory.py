@@ -51,12 +51,25 @@ def config_reason(runner) -> str | None:
         reason = reason or support.sparse_parallel_reason(
             getattr(parallel, "attn_cp_size", 1),
             getattr(runner, "hisparse_coordinator", None) is not None)
+        reason = reason or support.sparse_split_reason(*_phase_backends(runner))
     else:
         reason = reason or support.dtype_reason(runner.dtype, runner.kv_cache_dtype)
         spec = get_spec()
         reason = reason or support.speculative_reason(spec.speculative_num_draft_tokens,
                                                       spec.speculative_eagle_topk)
     return reason or support.platform_reason(_device_capability(runner), _extension_error())
+
+
+def _phase_backends(runner) -> tuple[str | None, str | None]:
+    """(prefill, decode) attention backend names as SGLang resolves them for this runner
+    (ServerArgs.get_attention_backends' rule, read field by field: a test kit's server
+    arguments may be a partial stand-in); a draft worker's override is one backend for both."""
+    args = getattr(runner, "server_args", None)
+    if args is None or getattr(runner, "is_draft_worker", False):
+        return None, None
+    both = getattr(args, "attention_backend", None)
+    return (getattr(args, "prefill_attention_backend", None) or both,
+            getattr(args, "decode_attention_backend", None) or both)
 
 
 def _device_capability(runner) -> tuple[int, int] | None:

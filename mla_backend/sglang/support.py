@@ -93,6 +93,17 @@ def sparse_parallel_reason(cp_size: int, hisparse: bool) -> str | None:
     return None
 
 
+def sparse_split_reason(prefill: str | None, decode: str | None) -> str | None:
+    """DSA: our backend serves every token of a DSA model (prefill included, over the
+    indexer's top-k); a split with another backend for one phase (SGLang's hybrid backend) is
+    not what was tested, so it is refused rather than run."""
+    if prefill is None or decode is None or prefill == decode:
+        return None
+    return (f"--prefill-attention-backend {prefill} with --decode-attention-backend {decode}: "
+            f"on a DSA model {NAME} runs prefill and decode both; pass --attention-backend "
+            f"{NAME} alone, or leave it unset (SGLang's dsa backend) for the split")
+
+
 def parallel_reason(heads_per_gpu: int, dcp_size: int) -> str | None:
     if heads_per_gpu > MAX_HEADS:
         return (f"{heads_per_gpu} query heads per GPU (heads / attention tensor-parallel "

@@ -3,7 +3,7 @@ backend with the dsa policy for our name; every refused DSA configuration gets i
 a defaulted speculative draft backend becomes dsa for a DSA model."""
 
 import re
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
 import torch
@@ -16,8 +16,19 @@ from mla_backend.sglang import dsa, factory, registration
 NAME = "mla_backend"
 
 
+def _backend_args(attention=NAME, prefill=None, decode=None):
+    """The three backend fields, read by SGLang's own ServerArgs.get_attention_backends."""
+    from sglang.srt.server_args import ServerArgs
+
+    args = SimpleNamespace(attention_backend=attention, prefill_attention_backend=prefill,
+                           decode_attention_backend=decode)
+    args.get_attention_backends = MethodType(ServerArgs.get_attention_backends, args)
+    return args
+
+
 def _runner(*, heads=16, dtype=torch.bfloat16, kv_cache_dtype=None, page_size=64,
-            cache_bytes=None, store_fp8=None, hisparse=False, arch="v32", with_arch=True):
+            cache_bytes=None, store_fp8=None, hisparse=False, arch="v32", with_arch=True,
+            server_args=None, is_draft_worker=False):
     kv_cache_dtype = kv_cache_dtype or dtype
     fp8 = kv_cache_dtype == torch.float8_e4m3fn
     config = SimpleNamespace(hf_config=make_config(arch=arch, heads=heads), kv_lora_rank=512,
@@ -28,7 +39,9 @@ def _runner(*, heads=16, dtype=torch.bfloat16, kv_cache_dtype=None, page_size=64
                            dsa_kv_cache_store_fp8=fp8 if store_fp8 is None else store_fp8)
     return SimpleNamespace(model_config=config, page_size=page_size, dtype=dtype,
                            kv_cache_dtype=kv_cache_dtype, device="cpu", token_to_kv_pool=pool,
-                           hisparse_coordinator=object() if hisparse else None)
+                           hisparse_coordinator=object() if hisparse else None,
+                           server_args=server_args or _backend_args(),
+                           is_draft_worker=is_draft_worker)
 
 
 @pytest.fixture
@@ -68,6 +81,10 @@ def test_supported_dsa_configurations(gpu_ok):
     assert _reason(_runner(with_arch=False)) is None  # DSA is MLA
     # every token is its own request for the sparse kernel: no limit on draft tokens
     assert _reason(_runner(), draft=16) is None
+    # both phases named ours is no split; a draft worker runs one backend for both
+    assert _reason(_runner(server_args=_backend_args(None, NAME, NAME))) is None
+    assert _reason(_runner(server_args=_backend_args(None, "dsa", NAME),
+                           is_draft_worker=True)) is None
 
 
 @pytest.mark.parametrize("runner, kwargs, message", [
@@ -81,6 +98,11 @@ def test_supported_dsa_configurations(gpu_ok):
     (dict(), dict(dcp=2), "decode context parallelism \\(size 2\\)"),
     (dict(), dict(cp=2), "attention context parallelism \\(size 2\\) .* for DSA models"),
     (dict(hisparse=True), {}, "--enable-hisparse is not supported by mla_backend"),
+    (dict(server_args=_backend_args(None, prefill="dsa", decode=NAME)), {},
+     "--prefill-attention-backend dsa with --decode-attention-backend mla_backend: on a DSA "
+     "model mla_backend runs prefill and decode both; pass --attention-backend mla_backend"),
+    (dict(server_args=_backend_args("dsa", decode=NAME)), {},
+     "--prefill-attention-backend dsa with --decode-attention-backend mla_backend"),
 ])
 def test_refused_dsa_configurations(gpu_ok, runner, kwargs, message):
     reason = _reason(_runner(**runner), **kwargs)
@@ -160,3 +182,10 @@ def test_explicit_draft_backend_is_kept(monkeypatch, tiny_configs):
     args = _server_args(monkeypatch, tiny_configs["v32"], **SPEC,
                         speculative_draft_attention_backend="triton")
     assert args.speculative_draft_attention_backend == "triton"
+
+
+@pytest.mark.parametrize("fields", [(NAME, None, None), (None, "dsa", NAME), ("dsa", None, NAME),
+                                    (NAME, "flashinfer", None), (None, NAME, NAME)])
+def test_phase_backends_read_as_sglang_resolves_them(fields):
+    args = _backend_args(*fields)
+    assert factory._phase_backends(_runner(server_args=args)) == args.get_attention_backends()
