@@ -163,6 +163,9 @@ def test_server_args_for_a_dsa_model(monkeypatch, tiny_configs):
     args = _server_args(monkeypatch, tiny_configs["v32"])
     assert (args.attention_backend, args.page_size, args.kv_cache_dtype) == \
         (NAME, 64, "bfloat16")
+    # one backend for both phases: the split refusal stays quiet on a plain launch
+    assert args.get_attention_backends() == (NAME, NAME)
+    assert factory._phase_backends(SimpleNamespace(server_args=args)) == (NAME, NAME)
     args = _server_args(monkeypatch, tiny_configs["v32"], kv_cache_dtype="fp8_e4m3")
     assert args.kv_cache_dtype == "fp8_e4m3"
 
