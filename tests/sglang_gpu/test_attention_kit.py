@@ -5,7 +5,6 @@ module (real KV pool on shuffled pages) and compares with the kit's PyTorch refe
 kit's tolerances. The cases are those SGLang runs for flashmla (page 64, boundaries), plus
 decode at 16 and 128 heads (both kernel tiles) and bf16."""
 
-import unittest
 
 import pytest
 import torch
@@ -36,17 +35,6 @@ BACKENDS = ["mla_backend", "flashmla"]
 SHAPE = dict(kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=1024, max_context_len=256)
 
 
-class _Kit(unittest.TestCase):
-    """The `testcase` the kit calls: its skipTest (taken when building the backend raises
-    ImportError / AssertionError) fails here, so no case passes by skipping."""
-
-    def runTest(self):
-        pass
-
-    def skipTest(self, reason):
-        raise AssertionError(f"SGLang's kit would skip this case: {reason}")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     registration.register()
@@ -70,13 +58,13 @@ EAGER = [
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name, mode, prefix, extend, heads", EAGER, ids=[c[0] for c in EAGER])
 def test_eager(backend, name, mode, prefix, extend, heads):
-    run_mla_attention_case(_Kit(), _case(name, backend, mode, prefix, extend, heads), **SHAPE)
+    run_mla_attention_case(kit_cases.KitTestCase(), _case(name, backend, mode, prefix, extend, heads), **SHAPE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_eager_bf16_decode(backend):
     case = _case("decode_bf16_page_boundary", backend, ForwardMode.DECODE, (63, 64, 130))
-    run_mla_attention_case(_Kit(), case, dtype=torch.bfloat16, **SHAPE)
+    run_mla_attention_case(kit_cases.KitTestCase(), case, dtype=torch.bfloat16, **SHAPE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -84,7 +72,7 @@ def test_eager_bf16_decode(backend):
 def test_cuda_graph_decode(backend, prefix):
     # captured for 4 requests, replayed with 3: one padded row
     run_mla_cuda_graph_decode_case(
-        _Kit(), _case("runner_cuda_graph_decode", backend, ForwardMode.DECODE, prefix), **SHAPE)
+        kit_cases.KitTestCase(), _case("runner_cuda_graph_decode", backend, ForwardMode.DECODE, prefix), **SHAPE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -92,7 +80,7 @@ def test_cuda_graph_decode(backend, prefix):
 def test_split_op_extend(backend, breakable):
     case = _case("runner_split_op_ragged_page_boundary", backend, ForwardMode.EXTEND,
                  (0, 32, 64), (63, 32, 1))
-    run_mla_split_op_extend_case(_Kit(), case, breakable=breakable, static_num_tokens=96,
+    run_mla_split_op_extend_case(kit_cases.KitTestCase(), case, breakable=breakable, static_num_tokens=96,
                                  **SHAPE)
 
 
@@ -100,7 +88,7 @@ def test_split_op_extend(backend, breakable):
 @pytest.mark.parametrize("prefix, drafts", kit_cases.VERIFY, ids=kit_cases.VERIFY_IDS)
 def test_eagle_verify(backend, prefix, drafts):
     case = _case("runner_eagle_verify_chain", backend, ForwardMode.TARGET_VERIFY, prefix, drafts)
-    run_mla_eagle_verify_case(_Kit(), case, topk=1, **SHAPE)
+    run_mla_eagle_verify_case(kit_cases.KitTestCase(), case, topk=1, **SHAPE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -109,14 +97,14 @@ def test_eagle_verify_cuda_graph(backend, prefix, drafts):
     # prefixes within one page: the kit's graph runner rewrites longer ones over the fixture's
     # shuffled pages (kit_cases.py); 5 drafts still cross into the next page
     case = _case(kit_cases.GRAPH_CASE_NAME, backend, ForwardMode.TARGET_VERIFY, prefix, drafts)
-    run_mla_eagle_verify_cuda_graph_case(_Kit(), case, topk=1, **SHAPE)
+    run_mla_eagle_verify_cuda_graph_case(kit_cases.KitTestCase(), case, topk=1, **SHAPE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_draft_extend_v2_cuda_graph(backend):
     case = _case("runner_draft_extend_v2", backend, ForwardMode.DRAFT_EXTEND_V2, (5, 62),
                  (3, 3))
-    run_mla_draft_extend_v2_cuda_graph_case(_Kit(), case, **SHAPE)
+    run_mla_draft_extend_v2_cuda_graph_case(kit_cases.KitTestCase(), case, **SHAPE)
 
 
 def test_ours_ran_on_our_kernel():
@@ -131,7 +119,7 @@ def test_ours_ran_on_our_kernel():
     from mla_backend.sglang.dense import DecodeMetadata, MLADenseBackend
 
     fixture = build_mla_attention_fixture(
-        _Kit(), _case("decode_metadata", "mla_backend", ForwardMode.DECODE, (61, 130)), **SHAPE)
+        kit_cases.KitTestCase(), _case("decode_metadata", "mla_backend", ForwardMode.DECODE, (61, 130)), **SHAPE)
     assert isinstance(fixture.backend, MLADenseBackend)
     run_mla_fixture_eager(fixture)
     meta = fixture.backend.forward_metadata

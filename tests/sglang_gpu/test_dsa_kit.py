@@ -10,7 +10,6 @@ mapped to cache slots by the backend), so these cases run with that setting; the
 default, in which the indexer returns cache slots, is covered by converting the kit's
 positions to slots through the fixture's req_to_token before the forward."""
 
-import unittest
 
 import pytest
 import torch
@@ -34,20 +33,10 @@ from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner i
 )
 
 from mla_backend.sglang import registration
+from tests.sglang_gpu import kit_cases
 
 pytestmark = pytest.mark.gpu
 BACKENDS = ["mla_backend", "dsa"]
-
-
-class _Kit(unittest.TestCase):
-    """The `testcase` the kit calls: its skipTest (taken when building the backend raises
-    ImportError / AssertionError) fails here, so no case passes by skipping."""
-
-    def runTest(self):
-        pass
-
-    def skipTest(self, reason):
-        raise AssertionError(f"SGLang's kit would skip this case: {reason}")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,7 +64,7 @@ SPARSE_NAMES = [c.name for c in make_dsa_sparse_cases("dsa")]
 def test_sparse_cases(position_topk, backend, index):
     # SGLang's own list: sparse prefill above the dense threshold (one and several requests,
     # multi-token extends), decode with short / ragged / long prefixes and -1 padding
-    run_dsa_sparse_attention_case(_Kit(), make_dsa_sparse_cases(backend)[index])
+    run_dsa_sparse_attention_case(kit_cases.KitTestCase(), make_dsa_sparse_cases(backend)[index])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -83,7 +72,7 @@ def test_sparse_cases(position_topk, backend, index):
 def test_non_trailing_index_patterns(position_topk, backend, pattern):
     case = _case(f"dsa_sparse_decode_{pattern}_index_long_prefix", backend, ForwardMode.DECODE,
                  (2048,))
-    run_dsa_sparse_attention_case(_Kit(), case, index_pattern=pattern)
+    run_dsa_sparse_attention_case(kit_cases.KitTestCase(), case, index_pattern=pattern)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -92,11 +81,11 @@ def test_head_counts(position_topk, backend, heads):
     # ours runs every head count as it is; SGLang's flashmla kernels pad to 64 / 128
     case = _case(f"dsa_sparse_decode_h{heads}", backend, ForwardMode.DECODE, (64, 200, 2048),
                  heads=heads)
-    run_dsa_sparse_attention_case(_Kit(), case)
+    run_dsa_sparse_attention_case(kit_cases.KitTestCase(), case)
     # prefixes above the dense threshold (2048 keys), where SGLang's dsa is sparse too
     case = _case(f"dsa_sparse_prefill_h{heads}", backend, ForwardMode.EXTEND, (2048, 2050),
                  (3, 1), heads=heads)
-    run_dsa_sparse_attention_case(_Kit(), case)
+    run_dsa_sparse_attention_case(kit_cases.KitTestCase(), case)
 
 
 def test_short_prefill_is_sparse_on_ours(position_topk):
@@ -105,13 +94,13 @@ def test_short_prefill_is_sparse_on_ours(position_topk):
     # kit's reference alone
     case = _case("dsa_sparse_prefill_short", "mla_backend", ForwardMode.EXTEND, (0, 30, 64),
                  (70, 3, 1))
-    run_dsa_sparse_attention_case(_Kit(), case)
+    run_dsa_sparse_attention_case(kit_cases.KitTestCase(), case)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_interleaved_page_layout(position_topk, backend):
     case = _case("layout_dsa_sparse_decode_long_prefix", backend, ForwardMode.DECODE, (2048,))
-    run_dsa_sparse_attention_case(_Kit(), case, loc_layout="interleaved_pages")
+    run_dsa_sparse_attention_case(kit_cases.KitTestCase(), case, loc_layout="interleaved_pages")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -119,28 +108,28 @@ def test_interleaved_page_layout(position_topk, backend):
                          ids=["target_verify", "draft_extend_v2"])
 def test_speculative_modes(position_topk, backend, mode):
     case = _case(f"dsa_sparse_{mode.name.lower()}", backend, mode, (128, 61), (3, 3))
-    run_dsa_sparse_speculative_forward_mode_case(_Kit(), case)
+    run_dsa_sparse_speculative_forward_mode_case(kit_cases.KitTestCase(), case)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_decode(position_topk, backend):
     # the 656-byte cache written by SGLang's quantizer; the kit's reference is the bf16 keys
     case = _case("dsa_sparse_fp8_decode", backend, ForwardMode.DECODE, (128, 70))
-    run_dsa_sparse_fp8_decode_case(_Kit(), case, dsa_decode_backend="flashmla_kv")
+    run_dsa_sparse_fp8_decode_case(kit_cases.KitTestCase(), case, dsa_decode_backend="flashmla_kv")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_prefill(position_topk, backend):
     case = _case("dsa_sparse_fp8_prefill_paged_topk", backend, ForwardMode.EXTEND, (2048,),
                  (1,))
-    run_dsa_sparse_fp8_prefill_case(_Kit(), case, dsa_prefill_backend="flashmla_kv")
+    run_dsa_sparse_fp8_prefill_case(kit_cases.KitTestCase(), case, dsa_prefill_backend="flashmla_kv")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_cuda_graph_decode(position_topk, backend, fp8):
     case = _case("runner_cuda_graph_dsa_sparse_decode", backend, ForwardMode.DECODE, (127, 128))
-    run_dsa_sparse_cuda_graph_decode_case(_Kit(), case, fp8_kv_cache=fp8)
+    run_dsa_sparse_cuda_graph_decode_case(kit_cases.KitTestCase(), case, fp8_kv_cache=fp8)
 
 
 def _slot_topk(fixture) -> torch.Tensor:
@@ -163,10 +152,10 @@ def _slot_topk(fixture) -> torch.Tensor:
 def test_fused_topk_slots(backend, mode, prefix, extend):
     # SGLang's default: the indexer's top-k kernel returns cache slots
     fixture = build_dsa_sparse_attention_fixture(
-        _Kit(), _case(f"dsa_sparse_fused_{mode.name.lower()}", backend, mode, prefix, extend))
+        kit_cases.KitTestCase(), _case(f"dsa_sparse_fused_{mode.name.lower()}", backend, mode, prefix, extend))
     assert fixture.backend.use_fused_topk
     fixture.topk_indices = _slot_topk(fixture)
-    actual = run_dsa_sparse_fixture_eager(fixture, _Kit())
+    actual = run_dsa_sparse_fixture_eager(fixture, kit_cases.KitTestCase())
     expected = expected_dsa_sparse_fixture_output(fixture)
     torch.testing.assert_close(actual, expected, atol=DSA_SPARSE_ATOL, rtol=DSA_SPARSE_RTOL)
 
@@ -178,9 +167,9 @@ def test_ours_ran_on_our_kernel(position_topk):
     from mla_backend.sglang.dsa import MLASparseBackend
 
     case = _case("dsa_sparse_decode_metadata", "mla_backend", ForwardMode.DECODE, (61, 130))
-    fixture = build_dsa_sparse_attention_fixture(_Kit(), case)
+    fixture = build_dsa_sparse_attention_fixture(kit_cases.KitTestCase(), case)
     assert isinstance(fixture.backend, MLASparseBackend)
-    actual = run_dsa_sparse_fixture_eager(fixture, _Kit())
+    actual = run_dsa_sparse_fixture_eager(fixture, kit_cases.KitTestCase())
     plan = fixture.backend._plan
     assert isinstance(plan, ops.SparsePlan)
     assert (plan.batch, plan.q_tokens_per_req, plan.topk) == (2, 1, fixture.index_topk)
