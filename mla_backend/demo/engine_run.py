@@ -22,9 +22,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import statistics
 import sys
 import time
+
+from . import engines
 
 ENTRY_POINT = "mla_backend_entry.vllm_plugin:register"
 
@@ -162,9 +163,7 @@ def _time_decode(llm, timing: dict) -> dict:
                                          ignore_eos=True, detokenize=False), use_tqdm=False)
     step_s = [_decode_step_s(llm, prompts, steps, f"timing{r}")
               for r in range(timing.get("repeats", 3))]
-    step = statistics.median(step_s)
-    return {"step_us": step * 1e6, "decode_tokens_per_s": timing["batch"] / step,
-            "step_us_all": [s * 1e6 for s in step_s], **timing}
+    return engines.step_timing(step_s, timing)
 
 
 def main(argv: list[str]) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,14 @@ def _tick(label: str, engine: str, start: float, done: threading.Event, tty: boo
                   file=sys.stderr, flush=True)
         else:
             print(f"{label}: still running after {elapsed:.0f} s", file=sys.stderr, flush=True)
+
+
+def step_timing(step_s: list[float], timing: dict) -> dict:
+    """A runner's decode timing result from its repeats' seconds per step (median of them),
+    with the timing spec it ran."""
+    step = statistics.median(step_s)
+    return {"step_us": step * 1e6, "decode_tokens_per_s": timing["batch"] / step,
+            "step_us_all": [s * 1e6 for s in step_s], **timing}
 
 
 def _lead(top: dict, own: int, other: int) -> float | None:

@@ -99,9 +99,7 @@ def _time_decode(engine, model: str, timing: dict) -> dict:
         before = step_times(engine)
         engine.generate(input_ids=prompts, sampling_params=params)
         step_s.append(repeat_step_s(before, step_times(engine), timing["batch"]))
-    step = statistics.median(step_s)
-    return {"step_us": step * 1e6, "decode_tokens_per_s": timing["batch"] / step,
-            "step_us_all": [s * 1e6 for s in step_s], **timing}
+    return engines.step_timing(step_s, timing)
 
 
 def main(argv: list[str]) -> int:
