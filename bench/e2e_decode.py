@@ -12,11 +12,21 @@ the span of the whole-batch steps over their number (prefill excluded); median o
 `repeats`. (The first method, differences of `generate` wall times, gave repeats 2x apart on
 the H200. This one ran on the H200 on 2026-11-21, docs/vllm.md: repeats still 18-42% apart,
 more than the differences between backends.)
-Writes bench/results/e2e_decode-<gpu>-<date>.json, or e2e_decode_sglang-<gpu>-<date>.json
-(design.md's shape plus "engine": `us` = us per decode step; tokens/s in the printed table).
+
+--arch v32: DeepSeek-V3.2 (sparse attention, DSA): the same dims plus its lightning indexer
+(64 heads of 128) keeping index_topk = 2048 keys per query token, so at the default 8k
+context the top-k selects a quarter of the keys. vLLM: CUSTOM vs FLASHMLA_SPARSE (and
+FLASH_ATTN_MLA_SPARSE with --backends, bf16 cache only), cache `auto` (bf16) or `fp8_ds_mla`;
+SGLang: mla_backend vs its `dsa` with the kernels named (bench/e2e_sglang.py), cache
+`bfloat16` or `fp8_e4m3`.
+Writes bench/results/<job>-<gpu>-<date>.json (results_job: e2e_decode, e2e_decode_sglang,
+with _v32 and a non-bf16 cache appended for V3.2) in design.md's shape plus "engine": `us` =
+us per decode step; tokens/s in the printed table; each row's config names arch and cache.
 
     python -m bench.e2e_decode [--heads 128 16] [--batch 64] [--context 8192] [--out DIR]
     python -m bench.e2e_decode --engine sglang [--backends ours flashmla triton] [--rounds 2]
+    python -m bench.e2e_decode --arch v32 [--kv-cache-dtype fp8_ds_mla] [--engine sglang
+        --kv-cache-dtype fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -25,17 +35,63 @@ import argparse
 import os
 import sys
 import tempfile
+from importlib import metadata
 
 from bench import common, e2e_sglang
 from mla_backend.demo import engines, tiny_model
+from mla_backend.vllm import version
 
+# key in the results -> vLLM's attention backend
 BACKENDS = {"ours": "CUSTOM", "flashmla": "FLASHMLA", "fa3_mla": "FLASH_ATTN_MLA"}
-ENGINE_BACKENDS = {"vllm": BACKENDS, "sglang": e2e_sglang.BACKENDS}
+SPARSE_BACKENDS = {"ours": "CUSTOM", "flashmla_sparse": "FLASHMLA_SPARSE",
+                   "fa3_mla_sparse": "FLASH_ATTN_MLA_SPARSE"}
+V32_INDEX_TOPK = 2048  # DeepSeek-V3.2's own
+# (engine, arch) -> the --kv-cache-dtype values each engine takes, its default first
+KV_CACHE_DTYPES = {("vllm", "v3"): ["auto"], ("vllm", "v32"): ["auto", "fp8_ds_mla"],
+                   ("sglang", "v3"): ["auto"], ("sglang", "v32"): list(e2e_sglang.DSA_BACKENDS)}
+BF16_CACHES = ("auto", "bfloat16")
+
+
+def backend_table(engine: str, arch: str, cache: str) -> tuple[dict[str, str], list[str]]:
+    """key -> what runs it, and the keys run without --backends, for one engine, model and
+    cache."""
+    if engine == "sglang":
+        names = e2e_sglang.backend_names(arch, cache)
+        return names, e2e_sglang.DEFAULT_BACKENDS if arch == "v3" else list(names)
+    if arch == "v3":
+        return dict(BACKENDS), list(BACKENDS)
+    names = dict(SPARSE_BACKENDS)
+    if cache not in BF16_CACHES:  # FLASH_ATTN_MLA_SPARSE reads 16-bit caches only
+        del names["fa3_mla_sparse"]
+    return names, ["ours", "flashmla_sparse"]
+
+
+def vllm_refuses(backend: str, cache: str, vllm_version: str | None) -> str | None:
+    """Why vLLM cannot start `backend` on `cache` (None: it may), known before starting it."""
+    if (backend == "FLASHMLA_SPARSE" and cache == "fp8_ds_mla" and vllm_version
+            and version.parse(vllm_version)[:2] == (0, 25)):
+        return (f"vLLM {vllm_version}: FLASHMLA_SPARSE does not start with fp8_ds_mla (its "
+                "model runner views the 656-byte pages as 576-wide, docs/vllm.md); vLLM 0.33 "
+                "runs it")
+    return None
+
+
+def _vllm_version() -> str | None:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m bench.e2e_decode")
-    p.add_argument("--engine", default="vllm", choices=list(ENGINE_BACKENDS))
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
+    p.add_argument("--arch", default="v3", choices=["v3", "v32"],
+                   help="v3: DeepSeek-V3 (dense MLA); v32: DeepSeek-V3.2 (DSA, index_topk "
+                        f"{V32_INDEX_TOPK})")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="v32 on vllm: auto (bf16) or fp8_ds_mla; v32 on sglang: bfloat16 or "
+                        "fp8_e4m3; v3: auto only (default: the first)")
     p.add_argument("--heads", type=int, nargs="+", default=[128, 16])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
@@ -45,7 +101,10 @@ def _parse(argv):
     p.add_argument("--backends", nargs="+", default=None,
                    help=f"vllm: {' '.join(BACKENDS)} (default: all); sglang: "
                         f"{' '.join(e2e_sglang.BACKENDS)} (default: "
-                        f"{' '.join(e2e_sglang.DEFAULT_BACKENDS)})")
+                        f"{' '.join(e2e_sglang.DEFAULT_BACKENDS)}); v32 on vllm: "
+                        f"{' '.join(SPARSE_BACKENDS)} (default: ours flashmla_sparse; "
+                        "fa3_mla_sparse on a bf16 cache only); v32 on sglang: ours and "
+                        "flashmla_sparse (bfloat16) or flashmla_kv (fp8_e4m3)")
     p.add_argument("--rounds", type=int, default=None,
                    help="sglang: engine processes per backend, started in turn (default "
                         f"{e2e_sglang.DEFAULT_ROUNDS})")
@@ -54,12 +113,25 @@ def _parse(argv):
     p.add_argument("--out", default=None, help="results file or directory")
     p.add_argument("--logs", default=None, help="directory for the engines' logs")
     args = p.parse_args(argv)
-    known = ENGINE_BACKENDS[args.engine]
+    caches = KV_CACHE_DTYPES[args.engine, args.arch]
+    what = f"--engine {args.engine}" + (" --arch v32" if args.arch == "v32" else "")
+    if args.kv_cache_dtype is None:
+        args.kv_cache_dtype = caches[0]
+    elif args.kv_cache_dtype not in caches:
+        p.error(f"--kv-cache-dtype {args.kv_cache_dtype}: not a cache of --engine "
+                f"{args.engine} --arch {args.arch}; choose from {', '.join(caches)}")
+    if args.arch == "v32":
+        what += f" --kv-cache-dtype {args.kv_cache_dtype}"
+        if args.context - args.steps - 1 <= V32_INDEX_TOPK:
+            p.error(f"--context {args.context} --steps {args.steps}: with --arch v32 the "
+                    f"prompts (context - steps - 1 tokens) must be longer than index_topk "
+                    f"{V32_INDEX_TOPK}, or the top-k keeps every key and selects nothing")
+    known, default = backend_table(args.engine, args.arch, args.kv_cache_dtype)
     if args.backends is None:
-        args.backends = list(BACKENDS) if args.engine == "vllm" else e2e_sglang.DEFAULT_BACKENDS
+        args.backends = list(default)
     for key in args.backends:
         if key not in known:
-            p.error(f"--backends {key}: not a backend of --engine {args.engine}; choose from "
+            p.error(f"--backends {key}: not a backend of {what}; choose from "
                     f"{', '.join(known)}")
     if args.engine == "vllm":
         for name, value in (("--rounds", args.rounds), ("--log-interval", args.log_interval)):
@@ -76,35 +148,47 @@ def _parse(argv):
     return args
 
 
+def vllm_spec(args, model: str, key: str) -> dict:
+    """engine_run's spec for one timing engine of backend `key`."""
+    names, _ = backend_table("vllm", args.arch, args.kv_cache_dtype)
+    return {"model": model, "backend": names[key], "kv_cache_dtype": args.kv_cache_dtype,
+            "load_format": "dummy", "mode": "graphs",
+            "max_model_len": args.context + args.steps + 64, "max_num_seqs": args.batch,
+            "gpu_memory_utilization": 0.6, "max_num_batched_tokens": 16384,
+            "timing": {"prompt_len": args.context - args.steps - 1, "batch": args.batch,
+                       "steps": args.steps, "repeats": args.repeats}}
+
+
 def _vllm_row(args, model: str, config: dict, logs: str) -> common.BenchRow:
     """Time every backend of args.backends in vLLM, one engine each."""
     heads = config["H"]
     row = common.BenchRow(config=config)
     tokens_per_s = {}
+    vllm_version = _vllm_version()
     for key in args.backends:
-        spec = {"model": model, "backend": BACKENDS[key], "load_format": "dummy",
-                "mode": "graphs", "max_model_len": args.context + args.steps + 64,
-                "max_num_seqs": args.batch, "gpu_memory_utilization": 0.6,
-                "max_num_batched_tokens": 16384,
-                "timing": {"prompt_len": args.context - args.steps - 1, "batch": args.batch,
-                           "steps": args.steps, "repeats": args.repeats}}
+        spec = vllm_spec(args, model, key)
+        name = spec["backend"]
+        refused = vllm_refuses(name, args.kv_cache_dtype, vllm_version)
+        if refused:
+            row.skipped[key] = refused
+            common.log(f"H={heads} {name}: not started: {refused}")
+            continue
         log_path = os.path.join(logs, f"h{heads}-{key}.log")
-        common.log(f"H={heads} {BACKENDS[key]}: starting (log {log_path})")
+        common.log(f"H={heads} {name}: starting (log {log_path})")
         try:
-            res = engines.run_engine(spec, log_path, label=f"H={heads} {BACKENDS[key]}",
-                                     timeout_s=900)
+            res = engines.run_engine(spec, log_path, label=f"H={heads} {name}", timeout_s=900)
         except engines.EngineFailed as e:
             row.skipped[key] = common.short_error(e)
             common.log(str(e))
             continue
         if "timing" not in res:
             row.skipped[key] = res.get("timing_error", "no timing")
-            common.log(f"H={heads} {BACKENDS[key]}: not timed: {row.skipped[key]}")
+            common.log(f"H={heads} {name}: not timed: {row.skipped[key]}")
             continue
         t = res["timing"]
         row.us[key] = t["step_us"]
         tokens_per_s[key] = t["decode_tokens_per_s"]
-        common.log(f"H={heads} {BACKENDS[key]}: {t['step_us']:.0f} us per step "
+        common.log(f"H={heads} {name}: {t['step_us']:.0f} us per step "
                    f"({t['decode_tokens_per_s']:.0f} tokens/s; all: "
                    f"{', '.join(f'{x:.0f}' for x in t['step_us_all'])}; engine start "
                    f"{res['engine_start_s']:.0f} s)")
@@ -117,6 +201,37 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> common.BenchRow:
     return row
 
 
+def results_job(args) -> str:
+    """The results file's job name: one per engine, model and cache, so runs of a day do not
+    overwrite each other."""
+    job = "e2e_decode" if args.engine == "vllm" else "e2e_decode_sglang"
+    if args.arch == "v32":
+        job += "_v32"
+    if args.kv_cache_dtype not in BF16_CACHES:
+        job += f"_{args.kv_cache_dtype}"
+    return job
+
+
+def write_model(args, folder: str, heads: int) -> str:
+    """config.json of the timed model (dummy weights) in `folder`."""
+    v32 = {"index_topk": V32_INDEX_TOPK} if args.arch == "v32" else {}
+    return tiny_model.write_config(
+        folder, arch=args.arch, heads=heads, layers=args.layers, hidden=7168,
+        q_lora_rank=1536, intermediate=18432, experts=8, experts_per_token=8,
+        moe_intermediate=2048, vocab=32768, max_positions=args.context + 1024, **v32)
+
+
+def row_config(args, heads: int) -> dict:
+    """A results row's config: the model, its cache and the workload."""
+    config = {"model": ("DeepSeek-V3.2 attention dims and indexer" if args.arch == "v32"
+                        else "DeepSeek-V3 attention dims"),
+              "arch": args.arch, "H": heads, "layers": args.layers, "batch": args.batch,
+              "context": args.context, "dtype": "bf16", "kv_cache_dtype": args.kv_cache_dtype}
+    if args.arch == "v32":
+        config["index_topk"] = V32_INDEX_TOPK
+    return config
+
+
 def main(argv=None) -> int:
     args = _parse(argv if argv is not None else sys.argv[1:])
     missing = engines.engine_missing(args.engine)
@@ -124,19 +239,14 @@ def main(argv=None) -> int:
         common.log(missing)
         return 2
     gpu, date, commit = common.gpu_name(), common.today(), common.git_commit()
-    job = "e2e_decode" if args.engine == "vllm" else "e2e_decode_sglang"
-    path = common.resolve_out(args.out, job, gpu, date)
+    path = common.resolve_out(args.out, results_job(args), gpu, date)
     tmp = tempfile.TemporaryDirectory(prefix="e2e_decode_")
     logs = args.logs or tmp.name
     os.makedirs(logs, exist_ok=True)
     rows = []
     for heads in args.heads:
-        model = tiny_model.write_config(
-            os.path.join(tmp.name, f"dsv3-h{heads}"), heads=heads, layers=args.layers,
-            hidden=7168, q_lora_rank=1536, intermediate=18432, experts=8, experts_per_token=8,
-            moe_intermediate=2048, vocab=32768, max_positions=args.context + 1024)
-        config = {"model": "DeepSeek-V3 attention dims", "H": heads, "layers": args.layers,
-                  "batch": args.batch, "context": args.context, "dtype": "bf16"}
+        model = write_model(args, os.path.join(tmp.name, f"ds{args.arch}-h{heads}"), heads)
+        config = row_config(args, heads)
         if args.engine == "vllm":
             rows.append(_vllm_row(args, model, config, logs))
         else:

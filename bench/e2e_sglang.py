@@ -1,6 +1,10 @@
 """The SGLang half of bench/e2e_decode.py (`python -m bench.e2e_decode --engine sglang`):
 decode-step time of a DeepSeek-shaped model through sgl.Engine, mla_backend vs SGLang's
-`flashmla` (and `flashinfer`, `triton` with --backends), on one GPU.
+`flashmla` (and `flashinfer`, `triton` with --backends), on one GPU. With --arch v32 (a
+DeepSeek-V3.2-shaped model, DSA): mla_backend vs SGLang's `dsa` with its kernels named (the
+kit has no FA3): `flashmla_sparse` for prefill and decode on a bf16 cache, `flashmla_kv`
+(FlashMLA's sparse decode kernel over the 656-byte fp8 token) on an fp8_e4m3 cache; both
+engines get the cache named explicitly (SGLang's "auto" for DSA depends on the GPU).
 
 What is timed: SGLang's scheduler's own decode-step records (SGLANG_RECORD_STEP_TIME): the
 wall time of each run of `log_interval` decode steps over their number, taken where the whole
@@ -37,6 +41,21 @@ BACKENDS = {"ours": "mla_backend", "flashmla": "flashmla", "flashinfer": "flashi
             "triton": "triton"}
 DEFAULT_BACKENDS = ["ours", "flashmla"]
 DEFAULT_ROUNDS = 2
+# DeepSeek-V3.2: --kv-cache-dtype -> key -> SGLang's --attention-backend and, for its `dsa`,
+# the kernel of both phases (flashmla_sparse decodes a bf16 cache only; flashmla_kv on a bf16
+# cache quantizes the whole pool at every call)
+DSA_BACKENDS = {"bfloat16": {"ours": ("mla_backend", None),
+                             "flashmla_sparse": ("dsa", "flashmla_sparse")},
+                "fp8_e4m3": {"ours": ("mla_backend", None),
+                             "flashmla_kv": ("dsa", "flashmla_kv")}}
+
+
+def backend_names(arch: str, kv_cache_dtype: str) -> dict[str, str]:
+    """key -> what runs it (for logs and argument checks), for one model and cache."""
+    if arch == "v3":
+        return dict(BACKENDS)
+    return {key: name if kernel is None else f"{name} {kernel}"
+            for key, (name, kernel) in DSA_BACKENDS[kv_cache_dtype].items()}
 
 
 @dataclass
@@ -53,16 +72,34 @@ class SpreadRow(common.BenchRow):
 
 
 def engine_spec(model: str, backend: str, *, batch: int, context: int, steps: int,
-                repeats: int, log_interval: int) -> dict:
+                repeats: int, log_interval: int, arch: str = "v3",
+                kv_cache_dtype: str = "auto") -> dict:
     """sglang_run's spec for one timing engine (no compared prompts)."""
-    return {"model": model, "backend": BACKENDS[backend], "load_format": "dummy",
-            "graphs": True, "context_length": context + steps + 64,
-            "chunked_prefill_size": 8192, "max_running_requests": batch,
-            "mem_fraction_static": 0.6,
-            # prefill (not timed) on FlashInfer's paged MLA kernel only: one JIT build
-            "engine_args": {"flashinfer_mla_disable_ragged": True},
+    if arch not in ("v3", "v32"):
+        raise ValueError(f"arch {arch!r}: not v3 or v32")
+    if arch == "v32" and kv_cache_dtype not in DSA_BACKENDS:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: arch v32 takes "
+                         f"{', '.join(DSA_BACKENDS)}")
+    names = backend_names(arch, kv_cache_dtype)
+    if backend not in names:
+        raise ValueError(f"backend {backend!r}: not one of arch {arch} with kv_cache_dtype "
+                         f"{kv_cache_dtype}; choose from {', '.join(names)}")
+    spec = {"model": model, "load_format": "dummy", "graphs": True,
+            "context_length": context + steps + 64, "chunked_prefill_size": 8192,
+            "max_running_requests": batch, "mem_fraction_static": 0.6,
             "timing": {"prompt_len": context - steps - 1, "batch": batch, "steps": steps,
                        "repeats": repeats, "log_interval": log_interval}}
+    if arch == "v3":
+        # prefill (not timed) on FlashInfer's paged MLA kernel only: one JIT build
+        spec.update(backend=BACKENDS[backend], kv_cache_dtype=kv_cache_dtype,
+                    engine_args={"flashinfer_mla_disable_ragged": True})
+        return spec
+    name, kernel = DSA_BACKENDS[kv_cache_dtype][backend]
+    if kernel is None:
+        spec.update(backend=name, kv_cache_dtype=kv_cache_dtype)
+    else:
+        spec.update(sglang_run.dsa_spec(kernel, kernel, kv_cache_dtype))
+    return spec
 
 
 def assemble_row(config: dict, timings: dict[str, list[list[float]]],
@@ -105,16 +142,18 @@ def verdict(row: SpreadRow) -> str:
 def time_row(args, model: str, config: dict, logs: str) -> SpreadRow:
     """Time every backend of args.backends on one model in args.rounds interleaved rounds."""
     heads = config["H"]
+    names = backend_names(args.arch, args.kv_cache_dtype)
 
     def timer(key: str):
         spec = engine_spec(model, key, batch=args.batch, context=args.context,
                            steps=args.steps, repeats=args.repeats,
-                           log_interval=args.log_interval)
+                           log_interval=args.log_interval, arch=args.arch,
+                           kv_cache_dtype=args.kv_cache_dtype)
         rounds = itertools.count()
 
         def one_engine() -> list[float]:
             r = next(rounds)
-            label = f"H={heads} {BACKENDS[key]} round {r}"
+            label = f"H={heads} {names[key]} round {r}"
             log_path = os.path.join(logs, f"sglang-h{heads}-{key}-round{r}.log")
             common.log(f"{label}: starting (log {log_path})")
             res = sglang_run.run(spec, log_path, timeout_s=900, label=label)

@@ -26,6 +26,17 @@ from . import engines
 
 # SGLang's scheduler records decode-step times only with this set (read when it starts)
 STEP_TIME_ENV = {"SGLANG_RECORD_STEP_TIME": "1"}
+# SGLang's `dsa` sends prefills whose keys fit in index_topk to a dense FA3 kernel unless this
+# is 0 (FA3 is not in every SGLang install; mla_backend never takes that route)
+DSA_SPARSE_PREFILL_ENV = {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
+
+
+def dsa_spec(prefill: str, decode: str, kv_cache_dtype: str) -> dict:
+    """Spec keys that run SGLang's own `dsa` backend on a DSA model with its kernels named
+    (`prefill`, `decode`: its --dsa-*-backend names; on Hopper its decode default for a bf16
+    cache is FA3), an explicit cache (its "auto" depends on the GPU) and every prefill on them."""
+    return {"backend": "dsa", "kv_cache_dtype": kv_cache_dtype, "env": DSA_SPARSE_PREFILL_ENV,
+            "engine_args": {"dsa_prefill_backend": prefill, "dsa_decode_backend": decode}}
 
 
 def _engine(spec: dict):

@@ -39,7 +39,7 @@ must fail the bf16 rule; with test_engine.py's dense control). See docs/sglang.m
 
 import pytest
 
-from mla_backend.demo import tiny_model
+from mla_backend.demo import sglang_run, tiny_model
 from tests.sglang_gpu import engine_runs
 from tests.sglang_gpu.engine_runs import NAME, assert_not_uniform, check_close, tolerance
 
@@ -47,13 +47,8 @@ pytestmark = pytest.mark.gpu
 PROMPT_LENS = [1, 250, 1000, 3000]
 HEADS = 16
 INDEX_TOPK = 256
-# SGLang's dsa backend: prefills whose keys fit in index_topk would go to FA3 (not in the kit)
-SGLANG_DSA_ENV = {"SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
-
-
-def _sglang_dsa(prefill: str, decode: str, kv_cache_dtype: str) -> dict:
-    return {"backend": "dsa", "kv_cache_dtype": kv_cache_dtype, "env": SGLANG_DSA_ENV,
-            "engine_args": {"dsa_prefill_backend": prefill, "dsa_decode_backend": decode}}
+# SGLang's dsa backend with its kernels named, every prefill on them (FA3 is not in the kit)
+_sglang_dsa = sglang_run.dsa_spec
 
 
 # label -> overrides of engine_runs.BASE (also read by tests/sglang_cpu)
