@@ -172,7 +172,8 @@ def check(part_dir: str, prefix: str) -> int:
 
     bad = 0
     for mod in ("vllm._C_stable_libtorch", "vllm._flashmla_C",
-                "vllm.vllm_flash_attn._vllm_fa3_C"):
+                "vllm.vllm_flash_attn._vllm_fa3_C",
+                "vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl"):  # CuTe DSL, for V3.2
         try:
             importlib.import_module(mod)
             print(f"  {mod}: loaded")

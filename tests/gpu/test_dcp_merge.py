@@ -107,8 +107,11 @@ def merge_as_vllm(parts) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's DCP merge: correct_attn_out scales each rank's out [B, H, 512] by
     exp(lse_r - lse) in place (in out's dtype) given the all-gathered lses [N, B, H]; the
     reduce-scatter then sums the ranks' outputs."""
-    common = pytest.importorskip("vllm.v1.attention.ops.common",
-                                 reason="vLLM is not importable here")
+    pytest.importorskip("vllm", reason="vLLM is not importable here")
+    try:  # vLLM 0.33 moved the DCP helpers from ops.common to ops.dcp
+        from vllm.v1.attention.ops import dcp as common
+    except ImportError:
+        from vllm.v1.attention.ops import common
     lses = torch.stack([lse[:, 0] for _, lse in parts]).contiguous()
     outs, lse = [], None
     for rank, (out, _) in enumerate(parts):
