@@ -2,7 +2,7 @@
 against SGLang 0.5.17 on CPU: every sgl.Engine argument is a ServerArgs field, and SGLang's own
 ServerArgs (a Hopper's capability, our plugin registered) resolves each one to what its test
 means: our name kept, page 64, the cache asked for, SGLang's DSA kernels as named (not its
-FA3 default), TP 2, eager; the tiny V3.2 is a DSA model to SGLang with index_topk 256."""
+FA3 default), TP 2, eager; the tiny V3.2 is a DSA model to SGLang with its index_topk (2048)."""
 
 import dataclasses
 

@@ -14,6 +14,7 @@ positions to slots through the fixture's req_to_token before the forward."""
 import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.test.kits.attention_unittest.attention_methods import dsa_attention
 from sglang.test.kits.attention_unittest.attention_methods.dsa_attention import (
     DSA_PAGE_SIZE,
     DSA_SPARSE_ATOL,
@@ -28,6 +29,7 @@ from sglang.test.kits.attention_unittest.attention_methods.dsa_attention import 
     run_dsa_sparse_fp8_prefill_case,
     run_dsa_sparse_speculative_forward_mode_case,
 )
+from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner
 from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner import (
     run_dsa_sparse_cuda_graph_decode_case,
 )
@@ -44,10 +46,29 @@ def registered():
     registration.register()
 
 
+# SGLang's unfused position -> slot transform (transform_index_page_table_*) takes only
+# DeepSeek-V3.2's index_topk, 2048; the kit's cases are 128 wide
+SGLANG_UNFUSED_TOPK = 2048
+
+
 @pytest.fixture
-def position_topk(monkeypatch):
-    """The kit's top-k are positions: the unfused indexer's form."""
+def position_topk(monkeypatch, request):
+    """The kit's top-k are positions: the unfused indexer's form. SGLang's `dsa` (the control)
+    takes positions only 2048 wide, so its fixtures are built that wide (the kit's keys, then
+    -1); ours runs the kit's own width."""
     monkeypatch.setenv("SGLANG_DSA_FUSE_TOPK", "0")
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("backend") != "dsa":
+        return
+    build = dsa_attention.build_dsa_sparse_attention_fixture
+
+    def build_wide(testcase, case, **kwargs):
+        kwargs["index_topk"] = SGLANG_UNFUSED_TOPK
+        return build(testcase, case, **kwargs)
+
+    # every kit runner looks the builder up in its own module at call time
+    for module in (dsa_attention, cuda_graph_decode_runner):
+        monkeypatch.setattr(module, "build_dsa_sparse_attention_fixture", build_wide)
 
 
 def _case(name, backend, mode, prefix, extend=(), heads=4):

@@ -1,11 +1,12 @@
-"""A tiny DeepSeek-V3.2 (DSA: a lightning indexer keeps index_topk = 256 keys per query token;
+"""A tiny DeepSeek-V3.2 (DSA: a lightning indexer keeps index_topk = 2048 keys per query token;
 2 layers, 16 heads, mla_backend.demo.tiny_model) through sgl.Engine with decode CUDA graphs,
 on mla_backend and on SGLang's own `dsa` backend, each engine in a process of its own.
 
-Prompts of 1, 250, 1000 and 3000 tokens in one batch with chunked prefill (1024): two prompts
-whose keys all fit in the top-k (the 250-token one outgrows it while it decodes) and two whose
-indexer really selects (1000 and 3000 keys for 256 slots), prefill chunks that read the
-context back, steps that mix prefills and decodes; 12 tokens each.
+Prompts of 1, 2040, 3000 and 5000 tokens in one batch with chunked prefill (1024): two prompts
+whose keys all fit in the top-k (the 2040-token one outgrows it while it decodes) and two whose
+indexer really selects (3000 and 5000 keys for 2048 slots), prefill chunks that read the
+context back, steps that mix prefills and decodes; 12 tokens each. index_topk is DeepSeek-V3.2's
+own, 2048: SGLang's top-k kernels (sgl-kernel, its default) take no other width.
 
 SGLang's DSA kernels under the SGLang kit (no FA3, no tilelang; flashinfer_sparse_mla is for
 SM120 GLM only): `flashmla_sparse` (FlashMLA's sparse prefill kernel, bf16 keys; as decode
@@ -18,7 +19,7 @@ for SGLang's engines: ours never takes that route).
 
 References and tolerances (the vLLM e2e tier's rule: max(2 x the spread between two of
 SGLang's own backends on the same model, prompts and graphs, 0.02), top-5 overlap >= 0.6; the
-indexer keeps the top 256 fp8 scores, so a bf16-level difference in layer 1 swaps keys at the
+indexer keeps the top 2048 fp8 scores, so a bf16-level difference in layer 1 swaps keys at the
 top-k boundary in layer 2 and moves logprobs more than any kernel's rounding: the spread of
 two correct backends measures that on this model):
   * bf16 cache: ours against flashmla_sparse (prefill and decode; the only DSA kernel of the
@@ -44,9 +45,9 @@ from tests.sglang_gpu import engine_runs
 from tests.sglang_gpu.engine_runs import NAME, assert_not_uniform, check_close, tolerance
 
 pytestmark = pytest.mark.gpu
-PROMPT_LENS = [1, 250, 1000, 3000]
+PROMPT_LENS = [1, 2040, 3000, 5000]
 HEADS = 16
-INDEX_TOPK = 256
+INDEX_TOPK = 2048  # sgl-kernel's fast_topk_* assert topk == 2048
 # SGLang's dsa backend with its kernels named, every prefill on them (FA3 is not in the kit)
 _sglang_dsa = sglang_run.dsa_spec
 
