@@ -253,8 +253,8 @@ def _check_sparse_inputs(q, kv_cache, indices, *, allow_flat: bool,
                          kv_name: str = "kv_cache") -> None:
     """q [B, s_q, H, 576] bf16 or the pair (q_nope [B, s_q, H, 512], q_pe [B, s_q, H, 64]),
     the cache, indices int32 [B, s_q, topk]. One whole q must be 16-byte aligned with 16-byte
-    multiple strides (the kernels read it by TMA); a pair may have any strides (parts that are
-    not are joined by one copy: _kernel_query)."""
+    multiple strides (the kernels read it by TMA); a pair may have any strides: parts the TMA
+    cannot read in place are joined by one copy (_kernel_query)."""
     q, q_pe = _query_parts(q)
     qname, width = _query_names(q_pe)
     indices = _require_tensor("indices", indices)
