@@ -21,8 +21,8 @@ void plan_sparse_decode(const std::optional<Tensor>& topk_length, Tensor& metada
                         int64_t q_tokens_per_req, int64_t topk, int64_t num_ctas, int64_t min_units,
                         int64_t unit_tokens);
 
-void sparse_mla_decode(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
-                       const std::optional<Tensor>& topk_length, const Tensor& metadata,
+void sparse_mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
+                       const Tensor& indices, const std::optional<Tensor>& topk_length, const Tensor& metadata,
                        Tensor& partial_out, Tensor& partial_lse, Tensor& out, Tensor& lse,
                        int64_t num_ctas, int64_t rows_per_cta, double softmax_scale, bool combine,
                        int64_t uniform_units, int64_t units_per_cta);

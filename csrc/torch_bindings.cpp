@@ -19,8 +19,8 @@ STABLE_TORCH_LIBRARY(mla_backend, m) {
       "plan_sparse_decode(Tensor? topk_length, Tensor(a!) metadata, int q_tokens_per_req, int topk, "
       "int num_ctas, int min_units, int unit_tokens) -> ()");
   m.def(
-      "sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor metadata, "
-      "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, int num_ctas, "
+      "sparse_mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor indices, Tensor? topk_length, "
+      "Tensor metadata, Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, int num_ctas, "
       "int rows_per_cta, float softmax_scale, bool combine, int uniform_units, int units_per_cta) -> ()");
 }
 

@@ -56,6 +56,13 @@ def _attend(scores: torch.Tensor, valid: torch.Tensor, values: torch.Tensor,
     return out, lse
 
 
+def _whole_query(q) -> torch.Tensor:
+    """q [..., 576], or the pair (q_nope [..., 512], q_pe [..., 64]) joined into one."""
+    if isinstance(q, (tuple, list)):
+        return torch.cat(tuple(q), dim=-1)
+    return q
+
+
 def _finish(out: torch.Tensor, lse: torch.Tensor, out_buf: torch.Tensor | None):
     if out_buf is not None:
         out_buf.copy_(out)
@@ -73,8 +80,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     [B, s_q, H, 512] and lse [B, s_q, H] in compute_dtype (out is copied into `out` when
     given)."""
     del plan
-    if isinstance(q, (tuple, list)):
-        q = torch.cat(q, dim=-1)
+    q = _whole_query(q)
     B, s_q, H, _ = q.shape
     page = kv_cache.shape[1]
     seq_lens = seq_lens.to(torch.int64)
@@ -127,29 +133,32 @@ def _sparse_attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     return _attend(scores, valid.unsqueeze(2), keys[..., :D_V], "nshk,nskd->nshd")
 
 
-def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
-                      plan: object, softmax_scale: float,
+def sparse_mla_decode(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                      kv_cache: torch.Tensor, indices: torch.Tensor, plan: object,
+                      softmax_scale: float,
                       topk_length: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, *, kv_scale=None,
                       compute_dtype: torch.dtype = torch.float32):
-    """Sparse (DSA) decode. q [B, s_q, H, 576]; kv_cache [num_blocks, 64, 576] bf16 or
-    [num_blocks, 64, 656] uint8 fp8_ds_mla; indices [B, s_q, topk] global slots
-    (block * 64 + offset; -1 or any slot outside the cache = none; duplicates count as often
-    as they appear);
+    """Sparse (DSA) decode. q [B, s_q, H, 576] or (q_nope [..., 512], q_pe [..., 64]);
+    kv_cache [num_blocks, 64, 576] bf16 or [num_blocks, 64, 656] uint8 fp8_ds_mla; indices
+    [B, s_q, topk] global slots (block * 64 + offset; -1 or any slot outside the cache = none;
+    duplicates count as often as they appear);
     topk_length [B]: only the first topk_length[b] indices of request b are read."""
     del plan
-    o, lse = _sparse_attend(q, kv_cache, indices, softmax_scale, topk_length, kv_scale,
-                            compute_dtype)
+    o, lse = _sparse_attend(_whole_query(q), kv_cache, indices, softmax_scale, topk_length,
+                            kv_scale, compute_dtype)
     return _finish(o, lse, out)
 
 
-def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                       softmax_scale: float, topk_length: torch.Tensor | None = None, *,
+def sparse_mla_prefill(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
+                       indices: torch.Tensor, softmax_scale: float,
+                       topk_length: torch.Tensor | None = None, *,
                        kv_scale=None, compute_dtype: torch.dtype = torch.float32):
-    """Sparse prefill. q [T, H, 576]; kv [S, 576] (flat) or a paged cache; indices
-    [T, topk] row / slot ids (-1 = none); topk_length [T]. Returns out [T, H, 512], lse [T, H]."""
-    o, lse = _sparse_attend(q.unsqueeze(1), kv, indices.unsqueeze(1), softmax_scale,
-                            topk_length, kv_scale, compute_dtype)
+    """Sparse prefill. q [T, H, 576] or (q_nope [T, H, 512], q_pe [T, H, 64]); kv [S, 576]
+    (flat) or a paged cache; indices [T, topk] row / slot ids (-1 = none); topk_length [T].
+    Returns out [T, H, 512], lse [T, H]."""
+    o, lse = _sparse_attend(_whole_query(q).unsqueeze(1), kv, indices.unsqueeze(1),
+                            softmax_scale, topk_length, kv_scale, compute_dtype)
     return o.squeeze(1), lse.squeeze(1)
 
 

@@ -67,7 +67,7 @@ template <> struct NarrowMma<16> {
 
 template <int kN>
 __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_constant__ DecodeParams p,
-                                                               const __grid_constant__ CUtensorMap q_map) {
+                                                               const __grid_constant__ QMaps q_maps) {
   using T = __nv_bfloat16;
   using L = NarrowLayout<kN>;
   using QK = typename NarrowMma<kN>::QK;
@@ -187,9 +187,10 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
   splitkv::for_each_piece<true>(p, u_begin, u_end, [&](int r, int Pr, int pg_begin, int pg_end) {
     if (tid == 0) {  // the previous piece's last reads of sQ are behind a barrier tid 0 passed
       ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(q_bar), (kDqk / 64) * L::kQChunk);
+      const int qs = r % p.group_s_q, qb = r / p.group_s_q;
 #pragma unroll
-      for (int c = 0; c < kDqk / 64; ++c)
-        tma_load_4d(sQ + c * L::kQChunk, &q_map, c * 64, 0, r % p.group_s_q, r / p.group_s_q, q_bar);
+      for (int c = 0; c < kDv / 64; ++c) tma_load_4d(sQ + c * L::kQChunk, &q_maps.nope, c * 64, 0, qs, qb, q_bar);
+      tma_load_4d(sQ + (kDv / 64) * L::kQChunk, &q_maps.pe, 0, 0, qs, qb, q_bar);  // the rope columns
     }
 #pragma unroll
     for (int i = 0; i < 8 * kAcc; ++i) o[i] = 0.f;
@@ -392,8 +393,8 @@ void launch_sparse_narrow(const DecodeParams& p, cudaStream_t stream, bool combi
   const auto kernel = sparse_narrow_kernel<kN>;
   constexpr size_t smem = NarrowLayout<kN>::kSmem;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const CUtensorMap q_map = wgmma::make_q_map(p, kN);
-  launch_pdl(kernel, dim3(p.num_ctas), dim3(384), smem, stream, p, q_map);
+  const wgmma::QMaps q_maps = wgmma::make_q_maps(p, kN);
+  launch_pdl(kernel, dim3(p.num_ctas), dim3(384), smem, stream, p, q_maps);
   if (combine) splitkv::launch_combine<__nv_bfloat16>(p, stream);
 }
 

@@ -69,14 +69,21 @@ void plan_sparse_decode(const std::optional<Tensor>& topk_length, Tensor& metada
                           int(min_units), int(unit_tokens), current_stream(metadata));
 }
 
-void sparse_mla_decode(const Tensor& q, const Tensor& kv_cache, const Tensor& indices,
-                       const std::optional<Tensor>& topk_length, const Tensor& metadata,
+void sparse_mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
+                       const Tensor& indices, const std::optional<Tensor>& topk_length, const Tensor& metadata,
                        Tensor& partial_out, Tensor& partial_lse, Tensor& out, Tensor& lse,
                        int64_t num_ctas, int64_t rows_per_cta, double softmax_scale, bool combine,
                        int64_t uniform_units, int64_t units_per_cta) {
   // mla_backend.ops validates shapes and dtypes; re-check what memory safety needs.
-  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == kDqk && q.stride(3) == 1 && q.scalar_type() == ScalarType::BFloat16,
+  // q: whole rows [B, s_q, H, 576], or their latent part [B, s_q, H, 512] with q_pe the rope part
+  STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == (q_pe.has_value() ? kDv : kDqk) && q.stride(3) == 1 &&
+                      q.scalar_type() == ScalarType::BFloat16,
                   "sparse_mla_decode: bad q");
+  STD_TORCH_CHECK(!q_pe.has_value() ||
+                      (q_pe->dim() == 4 && q_pe->size(0) == q.size(0) && q_pe->size(1) == q.size(1) &&
+                       q_pe->size(2) == q.size(2) && q_pe->size(3) == kDqk - kDv && q_pe->stride(3) == 1 &&
+                       q_pe->scalar_type() == q.scalar_type() && q_pe->get_device_index() == q.get_device_index()),
+                  "sparse_mla_decode: bad q_pe");
   const bool ds = kv_cache.scalar_type() == ScalarType::Byte;
   const int64_t tok_width = ds ? 656 : kDqk;
   STD_TORCH_CHECK((kv_cache.dim() == 3 || kv_cache.dim() == 2) && kv_cache.size(-1) == tok_width &&
@@ -106,6 +113,10 @@ void sparse_mla_decode(const Tensor& q, const Tensor& kv_cache, const Tensor& in
   const DeviceGuard guard(q.get_device_index());
   DecodeParams p =
       splitkv::decode_params(q, kv_cache, metadata, partial_out, partial_lse, out, lse, num_ctas, softmax_scale);
+  if (q_pe.has_value()) {  // the rope columns apart: the kernels read them through a tensor map of their own
+    p.q_pe = q_pe->data_ptr();
+    p.qpe_stride_b = q_pe->stride(0); p.qpe_stride_s = q_pe->stride(1); p.qpe_stride_h = q_pe->stride(2);
+  }
   if (kv_cache.dim() == 3) {  // paged: slot = block * 64 + offset
     p.kv_stride_block = kv_cache.stride(0); p.kv_stride_tok = kv_cache.stride(1);
     p.num_slots = kv_cache.size(0) * kPage;

@@ -68,7 +68,7 @@ template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 |
 // fp8_ds_mla runs the split schedule: one unit at a time, warpgroup 0 S + softmax + O's left
 // half, warpgroup 1 O's right half, the producer converting from registers (RegFp8Producer)
 template <KeySource kSrc> constexpr bool kSplitOf = kSrc == KeySource::kSparseDsMla;
-// Sparse sources: each piece's Q comes by TMA (q_map; heads past H zero-filled as out of
+// Sparse sources: each piece's Q comes by TMA (q_maps; heads past H zero-filled as out of
 // bounds), issued by one thread on its own mbarrier (kQBar), so the 72 KiB stay off the
 // load/store path the producer keeps busy
 template <KeySource kSrc> constexpr bool kQTmaOf = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;

@@ -38,6 +38,7 @@
 #include "wgmma/consumer_steps.cuh"
 #include "wgmma/gmma.cuh"
 #include "wgmma/smem_layout.cuh"
+#include "wgmma/tensor_map.h"
 #include "wgmma/timeline.cuh"
 
 namespace mla_backend::wgmma {
@@ -81,7 +82,7 @@ struct SeesawCta {
 // would have to fit the smaller one.
 template <typename T, KeySource kSrc, bool kPaired, typename WgId>
 __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const CUtensorMap& kv_map,
-                                                    const CUtensorMap& q_map, const SeesawCta& c, WgId wg_id) {
+                                                    const QMaps& q_maps, const SeesawCta& c, WgId wg_id) {
   constexpr bool kSparse = kSparseOf<kSrc>;
   constexpr bool kProduced = kProducedOf<kSrc>;
   constexpr bool kQTma = kQTmaOf<kSrc>;
@@ -137,12 +138,14 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   const T* qbase = static_cast<const T*>(p.q);
   const uint32_t q_bar = bars + kQBar * 8;
   uint32_t q_phase = 0;
-  // kQTma: Q of query group rq -> sQ (one thread; sQ is free)
+  // kQTma: Q of query group rq -> sQ (one thread; sQ is free): chunks 0-7 from the latent
+  // part's map, chunk 8 from the rope part's
   auto load_q = [&](int rq) {
     ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(q_bar), kTileBytes);
+    const int qs = rq % p.group_s_q, qb = rq / p.group_s_q;
 #pragma unroll
-    for (int c = 0; c < kDqk / 64; ++c)
-      tma_load_4d(sQ + c * kChunkBytes, &q_map, c * 64, row0, rq % p.group_s_q, rq / p.group_s_q, q_bar);
+    for (int c = 0; c < kDv / 64; ++c) tma_load_4d(sQ + c * kChunkBytes, &q_maps.nope, c * 64, row0, qs, qb, q_bar);
+    tma_load_4d(sQ + (kDv / 64) * kChunkBytes, &q_maps.pe, 0, row0, qs, qb, q_bar);
   };
 
   // TMA of one half of buffer b (h = 0: chunks 0-3, h = 1: chunks 4-8), one mbarrier per

@@ -35,6 +35,7 @@
 #include "wgmma/key_producer.cuh"
 #include "wgmma/reg_fp8_producer.cuh"
 #include "wgmma/smem_layout.cuh"
+#include "wgmma/tensor_map.h"
 #include "wgmma/timeline.cuh"
 
 namespace mla_backend::wgmma {
@@ -46,7 +47,7 @@ namespace mla_backend::wgmma {
 template <typename T, KeySource kSrc, bool kPaired, bool kPrefetch>
 __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
                                                                          const __grid_constant__ CUtensorMap kv_map,
-                                                                         const __grid_constant__ CUtensorMap q_map) {
+                                                                         const __grid_constant__ QMaps q_maps) {
   constexpr bool kSparse = kSparseOf<kSrc>;
   constexpr bool kProduced = kProducedOf<kSrc>;
   extern __shared__ unsigned char smem_raw[];
@@ -301,7 +302,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   auto consumers = [&](auto wg_id) {
     const SeesawCta c{smem, base, sQ,  sP0,       sP1,        sM,         sScale0, sScale1, sSum,  bars,  sMask, tid,
                       lane, wtid, wrow, qd, wg_leader, peer_delta, scale_log2, cta,     row0,    u_begin, u_end, U};
-    consumer_warpgroups<T, kSrc, kPaired>(p, kv_map, q_map, c, wg_id);
+    consumer_warpgroups<T, kSrc, kPaired>(p, kv_map, q_maps, c, wg_id);
   };
   if constexpr (kSplitOf<kSrc>) {
     if (wg == 0) {

@@ -19,15 +19,16 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
   STD_TORCH_CHECK(!kPaired || grid.y == 2, "mla_decode: a paired launch needs exactly two row tiles");
-  CUtensorMap kv_map{}, q_map{};  // the producer sources copy keys without a tensor map
+  CUtensorMap kv_map{};  // the producer sources copy keys without a tensor map
+  QMaps q_maps{};        // the dense sources copy Q without tensor maps
   if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
-  if constexpr (kQTmaOf<kSrc>) q_map = make_q_map(p, kRows);
+  if constexpr (kQTmaOf<kSrc>) q_maps = make_q_maps(p, kRows);
   // bf16 sparse with two row tiles: the tiles of a query group run as a 2-CTA cluster
   // although they share nothing, so the two CTAs that gather the same keys at about the same
   // time sit in one GPC (H = 128 -2 to -5%)
   const bool co_place = kSrc == KeySource::kSparse16 && grid.y == 2;
   launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired || co_place ? 2 : 1, p, kv_map,
-                       q_map);
+                       q_maps);
   if (combine) splitkv::launch_combine<T>(p, stream);
 }
 

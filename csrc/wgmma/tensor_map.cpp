@@ -26,6 +26,32 @@ EncodeTiled tensor_map_encoder() {
   return encode;
 }
 
+// One part of the sparse query: `width` columns at `base`, heads / query tokens / batch
+// entries at strides_el (elements). A dimension of size 1 is never stepped over, so its
+// stride only has to be valid (torch may report any value there).
+CUtensorMap make_q_part_map(const DecodeParams& p, const void* base, int width, const int64_t (&strides_el)[3],
+                            int box_rows, const char* name) {
+  const int64_t sizes[3] = {p.heads, p.group_s_q, p.batch / p.group_s_q};
+  cuuint64_t dims[4] = {cuuint64_t(width), 0, 0, 0};
+  cuuint64_t strides[3];
+  int64_t packed = width;  // elements spanned by the dimensions inside this one, packed
+  for (int i = 0; i < 3; ++i) {
+    dims[i + 1] = cuuint64_t(sizes[i]);
+    strides[i] = cuuint64_t(sizes[i] == 1 ? packed : strides_el[i]) * 2;
+    packed *= sizes[i];
+  }
+  const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), dims,
+                                          strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  STD_TORCH_CHECK(r == CUDA_SUCCESS, "sparse_mla_decode: cuTensorMapEncodeTiled failed for ", name, " with error ",
+                  int(r), " (", name, " must be 16-byte aligned with nonzero 16-byte multiple strides)");
+  return map;
+}
+
 }  // namespace
 
 CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
@@ -44,29 +70,11 @@ CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
   return map;
 }
 
-// A dimension of size 1 is never stepped over, so its stride only has to be valid (torch may
-// report any value there).
-CUtensorMap make_q_map(const DecodeParams& p, int box_rows) {
-  const int64_t sizes[3] = {p.heads, p.group_s_q, p.batch / p.group_s_q};
-  const int64_t strides_el[3] = {p.q_stride_h, p.q_stride_s, p.q_stride_b};
-  cuuint64_t dims[4] = {cuuint64_t(kDqk), 0, 0, 0};
-  cuuint64_t strides[3];
-  int64_t packed = kDqk;  // elements spanned by the dimensions inside this one, packed
-  for (int i = 0; i < 3; ++i) {
-    dims[i + 1] = cuuint64_t(sizes[i]);
-    strides[i] = cuuint64_t(sizes[i] == 1 ? packed : strides_el[i]) * 2;
-    packed *= sizes[i];
-  }
-  const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUtensorMap map;
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(p.q), dims,
-                                          strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  STD_TORCH_CHECK(r == CUDA_SUCCESS, "sparse_mla_decode: cuTensorMapEncodeTiled failed for q with error ", int(r),
-                  " (q must be 16-byte aligned with nonzero 16-byte multiple strides)");
-  return map;
+QMaps make_q_maps(const DecodeParams& p, int box_rows) {
+  const int64_t nope_strides[3] = {p.q_stride_h, p.q_stride_s, p.q_stride_b};
+  const int64_t pe_strides[3] = {p.qpe_stride_h, p.qpe_stride_s, p.qpe_stride_b};
+  return {make_q_part_map(p, p.q, kDv, nope_strides, box_rows, "q"),
+          make_q_part_map(p, p.q_pe, kDqk - kDv, pe_strides, box_rows, "q_pe")};
 }
 
 }  // namespace mla_backend::wgmma

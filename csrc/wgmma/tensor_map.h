@@ -12,8 +12,14 @@ namespace mla_backend::wgmma {
 // layer's view of a cross-layer buffer works), 64x64 boxes, 128-byte swizzle.
 CUtensorMap make_kv_map(const splitkv::DecodeParams& p, bool bf16);
 
-// The sparse q [B, s_q, H, 576] (bf16) with its own strides, 64-column x box_rows-head boxes,
-// 128-byte swizzle: a box past H reads zeros.
-CUtensorMap make_q_map(const splitkv::DecodeParams& p, int box_rows);
+// The sparse query (bf16) in its two parts, each [B, s_q, H, width] with its own strides
+// (p.q / p.q_stride_*: the 512 latent columns, p.q_pe / p.qpe_stride_*: the 64 rope columns;
+// one whole tensor is the pair q, q + 512), 64-column x box_rows-head boxes, 128-byte
+// swizzle: a box past H reads zeros. Q chunks 0-7 come from `nope`, chunk 8 from `pe`.
+struct QMaps {
+  CUtensorMap nope;
+  CUtensorMap pe;
+};
+QMaps make_q_maps(const splitkv::DecodeParams& p, int box_rows);
 
 }  // namespace mla_backend::wgmma

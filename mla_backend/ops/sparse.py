@@ -21,10 +21,13 @@ from ._common import (
     _describe,
     _num_sms,
     _out_and_lse,
+    _query_parts,
     _require,
+    _require_aligned_rows,
     _require_cuda,
     _require_hopper,
     _require_tensor,
+    rows_in_place,
 )
 from .cost_model import _min_units, _whole_requests_floor
 
@@ -234,21 +237,36 @@ def _check_sparse_kv(kv: torch.Tensor, name: str, allow_flat: bool) -> None:
                  "rows by 32-bit offsets of 16 bytes); split the cache")
 
 
+def _query_names(q_pe: torch.Tensor | None) -> tuple[str, int]:
+    """The name errors give the query's first tensor, and that tensor's width: the whole
+    query q [.., 576], or the latent part of the pair (q_nope, q_pe) [.., 512]."""
+    return ("q", D_QK) if q_pe is None else ("q_nope (q[0])", D_V)
+
+
+def _query_tensors(q: torch.Tensor, q_pe: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The query's tensors by the names errors give them (for the device checks)."""
+    name = _query_names(q_pe)[0]
+    return {name: q} if q_pe is None else {name: q, "q_pe (q[1])": q_pe}
+
+
 def _check_sparse_inputs(q, kv_cache, indices, *, allow_flat: bool,
                          kv_name: str = "kv_cache") -> None:
-    """q [B, s_q, H, 576] bf16, the cache, indices int32 [B, s_q, topk]."""
-    q = _require_tensor("q", q)
+    """q [B, s_q, H, 576] bf16 or the pair (q_nope [B, s_q, H, 512], q_pe [B, s_q, H, 64]),
+    the cache, indices int32 [B, s_q, topk]. One whole q must be 16-byte aligned with 16-byte
+    multiple strides (the kernels read it by TMA); a pair may have any strides: parts the TMA
+    cannot read in place are joined by one copy (_kernel_query)."""
+    q, q_pe = _query_parts(q)
+    qname, width = _query_names(q_pe)
     indices = _require_tensor("indices", indices)
-    _require(q.dim() == 4 and q.shape[3] == D_QK, "q", q,
-             f"must be [batch, s_q, heads, {D_QK}]")
+    _require(q.dim() == 4 and q.shape[3] == width, qname, q,
+             f"must be [batch, s_q, heads, {width}]")
     if q.dtype != torch.bfloat16:
-        raise TypeError(f"q must be bfloat16 for the sparse kernels; got {_describe(q)}")
+        raise TypeError(f"{qname} must be bfloat16 for the sparse kernels; got {_describe(q)}")
     batch, s_q, heads, _ = q.shape
-    _require(s_q >= 1 and 1 <= heads <= MAX_HEADS, "q", q,
+    _require(s_q >= 1 and 1 <= heads <= MAX_HEADS, qname, q,
              f"must have s_q >= 1 and heads in [1, {MAX_HEADS}]")
-    _require(q.stride(3) == 1 and all(q.stride(i) % 8 == 0 for i in range(3))
-             and q.data_ptr() % 16 == 0, "q", q,
-             "must be 16-byte aligned with a contiguous last dim and 16-byte aligned strides")
+    if q_pe is None:
+        _require_aligned_rows("q", q)
     _check_sparse_kv(kv_cache, kv_name, allow_flat)
     _require(indices.dim() == 3 and indices.shape[:2] == (batch, s_q)
              and indices.dtype == torch.int32 and indices.stride(2) == 1
@@ -257,9 +275,20 @@ def _check_sparse_inputs(q, kv_cache, indices, *, allow_flat: bool,
              "last dim")
 
 
+def _kernel_query(q) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The checked query as the kernels' TMA reads it: (q, None) for one whole q; the pair
+    (q_nope, q_pe) as it lies when both parts' rows are 16-byte aligned with 16-byte multiple
+    strides, else the two joined by one copy into a new [.., 576] tensor."""
+    q, q_pe = _query_parts(q)
+    if q_pe is not None and not (rows_in_place(q) and rows_in_place(q_pe)):
+        return torch.cat((q, q_pe), dim=-1), None
+    return q, q_pe
+
+
 def _check_sparse_args(q, kv_cache, indices, plan, softmax_scale, topk_length, out, lse=None, *,
                        allow_flat: bool, kv_name: str = "kv_cache"):
     _check_sparse_inputs(q, kv_cache, indices, allow_flat=allow_flat, kv_name=kv_name)
+    q, q_pe = _query_parts(q)
     batch, s_q, heads, _ = q.shape
     if not isinstance(plan, SparsePlan):
         raise TypeError(f"plan must be a SparsePlan from plan_sparse_decode; got "
@@ -274,7 +303,8 @@ def _check_sparse_args(q, kv_cache, indices, plan, softmax_scale, topk_length, o
                          "(plan_sparse_decode(..., topk_length=...)); the plan's units cover "
                          "its lengths")
     _check_softmax_scale(softmax_scale)
-    tensors = {"q": q, kv_name: kv_cache, "indices": indices, "plan.metadata": plan.metadata}
+    tensors = {**_query_tensors(q, q_pe), kv_name: kv_cache, "indices": indices,
+               "plan.metadata": plan.metadata}
     if topk_length is not None:
         tensors["topk_length"] = topk_length
     if out is not None:
@@ -288,14 +318,17 @@ def _check_sparse_args(q, kv_cache, indices, plan, softmax_scale, topk_length, o
     _require_cuda(tensors, q.device)
 
 
-def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
-                      plan: SparsePlan, softmax_scale: float,
+def sparse_mla_decode(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                      indices: torch.Tensor, plan: SparsePlan, softmax_scale: float,
                       topk_length: torch.Tensor | None = None,
                       out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse (DSA) decode over a paged cache.
 
-    q [B, s_q, H, 576] bf16 (any H from 1 to 128); kv_cache [num_blocks, 64, 576] bf16 or
+    q [B, s_q, H, 576] bf16 (any H from 1 to 128), or the pair (q_nope [B, s_q, H, 512],
+    q_pe [B, s_q, H, 64]) read through their own strides (vLLM's and SGLang's absorbed query
+    comes in two parts: no copy to join them; parts whose rows are not 16-byte aligned with
+    16-byte multiple strides are joined by one copy); kv_cache [num_blocks, 64, 576] bf16 or
     [num_blocks, 64, 656] uint8 fp8_ds_mla (formats.py), strided views fine; indices int32
     [B, s_q, topk]: global slots block * 64 + offset, -1 (or any slot outside the cache) =
     skipped, duplicates count as often as they appear; topk_length int32 [B] (optional: only
@@ -314,42 +347,51 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
 
 def _run_sparse(q, kv, indices, plan, softmax_scale, topk_length, out, lse=None):
     _extension.require("sparse_mla_decode")
+    q, q_pe = _kernel_query(q)
     _require_hopper("sparse_mla_decode", q.device)
     out, lse = _out_and_lse(q, out, lse)
     torch.ops.mla_backend.sparse_mla_decode(
-        q, kv, indices, topk_length, plan.metadata, plan.partial_out, plan.partial_lse, out,
+        q, q_pe, kv, indices, topk_length, plan.metadata, plan.partial_out, plan.partial_lse, out,
         lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(plan.needs_combine),
         plan.uniform_units, plan.units_per_cta)
     return out, lse
 
 
-def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                       softmax_scale: float, topk_length: torch.Tensor | None = None, *,
+def sparse_mla_prefill(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
+                       indices: torch.Tensor, softmax_scale: float,
+                       topk_length: torch.Tensor | None = None, *,
                        plan: SparsePlan | None = None, out: torch.Tensor | None = None,
                        lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse prefill: q [T, H, 576] bf16; kv [S, 576] bf16 (rows = slots) or a paged cache
-    as in sparse_mla_decode (bf16 or fp8_ds_mla; [S, 656] uint8 flat too); indices int32
+    """Sparse prefill: q [T, H, 576] bf16, or the pair (q_nope [T, H, 512], q_pe [T, H, 64])
+    as in sparse_mla_decode; kv [S, 576] bf16 (rows = slots) or a paged cache as in
+    sparse_mla_decode (bf16 or fp8_ds_mla; [S, 656] uint8 flat too); indices int32
     [T, topk] (-1 or out of range = skipped); topk_length int32 [T] (optional). Every token
     is its own request: `plan` (plan_sparse_decode(T, 1, H, topk, topk_length=...)) is made
     here when not given. Returns out [T, H, 512] bf16 and lse [T, H] float32 (the caller's
     out / lse when given: contiguous, those shapes and dtypes)."""
-    q = _require_tensor("q", q)
+    q_main, q_pe = _query_parts(q)
+    qname, width = _query_names(q_pe)
     indices = _require_tensor("indices", indices)
-    _require(q.dim() == 3 and q.shape[2] == D_QK, "q", q, f"must be [tokens, heads, {D_QK}]")
-    _require(indices.dim() == 2 and indices.shape[0] == q.shape[0], "indices", indices,
-             f"must be int32 [tokens={q.shape[0]}, topk]")
+    _require(q_main.dim() == 3 and q_main.shape[2] == width, qname, q_main,
+             f"must be [tokens, heads, {width}]")
+    tokens, heads = q_main.shape[:2]
+    _require(indices.dim() == 2 and indices.shape[0] == tokens, "indices", indices,
+             f"must be int32 [tokens={tokens}, topk]")
     if out is not None:
         out = _require_tensor("out", out)
         _require(out.dim() == 3, "out", out, f"must be [tokens, heads, {D_V}]")
         out = out.unsqueeze(1)
     if lse is not None:
-        lse = _check_lse(lse, (q.shape[0], q.shape[1])).unsqueeze(1)
-    q4, idx3 = q.unsqueeze(1), indices.unsqueeze(1)
+        lse = _check_lse(lse, (tokens, heads)).unsqueeze(1)
+    # every token its own request of one query token
+    q4 = q_main.unsqueeze(1) if q_pe is None else (q_main.unsqueeze(1), q_pe.unsqueeze(1))
+    idx3 = indices.unsqueeze(1)
     if plan is None:
         _check_sparse_inputs(q4, kv, idx3, allow_flat=True, kv_name="kv")
-        _require_cuda({"q": q, "kv": kv, "indices": indices}, q.device)
-        plan = plan_sparse_decode(q.shape[0], 1, q.shape[1], indices.shape[1],
-                                  topk_length=topk_length, device=q.device,
+        _require_cuda({**_query_tensors(q_main, q_pe), "kv": kv, "indices": indices},
+                      q_main.device)
+        plan = plan_sparse_decode(tokens, 1, heads, indices.shape[1],
+                                  topk_length=topk_length, device=q_main.device,
                                   kv_cache_dtype=kv.dtype)
     elif topk_length is None:
         topk_length = plan.topk_length

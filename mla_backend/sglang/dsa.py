@@ -128,10 +128,12 @@ class MLASparseBackend(DeepseekSparseAttnBackend):
             self._write_kv(layer, forward_batch.out_cache_loc, k, v, k_rope)
         heads = layer.tp_q_head_num
         query = sparse_index.absorbed_query(q, q_rope, heads, layer.head_dim, layer.v_head_dim)
-        tokens = query.shape[0]
+        # the latent part of a pair, or the whole query: its tokens and dtype
+        latent = query[0] if isinstance(query, tuple) else query
+        tokens = latent.shape[0]
         out_width = heads * layer.v_head_dim
         if tokens == 0:
-            return query.new_empty(0, out_width)
+            return latent.new_empty(0, out_width)
         if topk_indices is None:
             raise ValueError(f"{NAME}: layer {layer.layer_id} got no top-k indices in "
                              f"{forward_batch.forward_mode}; a DSA layer attends to its "
@@ -140,12 +142,12 @@ class MLASparseBackend(DeepseekSparseAttnBackend):
                                     forward_batch)
         cache = sparse_index.paged_cache(self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                                          self.kv_fp8)
-        out = query.new_empty(tokens, heads, layer.v_head_dim)
+        out = latent.new_empty(tokens, heads, layer.v_head_dim)
         step = ops.MAX_SPARSE_GROUPS
         for start in range(0, tokens, step):  # one call, unless a prefill exceeds the grid
             end = min(tokens, start + step)
             plan = self._plan_for(end - start, indices.shape[1], cache.dtype)
-            ops.sparse_mla_decode(query[start:end].unsqueeze(1), cache,
+            ops.sparse_mla_decode(sparse_index.query_tokens(query, start, end), cache,
                                   indices[start:end].unsqueeze(1), plan, layer.scaling,
                                   out=out[start:end].unsqueeze(1))
         return out.view(tokens, out_width)

@@ -89,13 +89,23 @@ def paged_cache(buffer: torch.Tensor, fp8: bool) -> torch.Tensor:
 
 
 def absorbed_query(q: torch.Tensor, q_rope: torch.Tensor | None, heads: int, head_dim: int,
-                   latent: int) -> torch.Tensor:
-    """The query as the sparse kernel reads it: [tokens, heads, head_dim 576], one tensor.
-    SGLang hands the absorbed latent part [T, H*512] and the rope part [T, H*64] apart (our
-    name is in FORWARD_ABSORB_CORE_ATTENTION_BACKENDS): they are joined by a copy (the sparse
-    kernel reads one query tensor); a whole [T, H*576] query is viewed in place."""
+                   latent: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The query as the sparse kernel reads it: a whole [T, H*576] query viewed [tokens,
+    heads, 576]; or, when SGLang hands the absorbed latent part [T, H*512] and the rope part
+    [T, H*64] apart (our name is in FORWARD_ABSORB_CORE_ATTENTION_BACKENDS), the pair of views
+    ([T, H, 512], [T, H, 64]) read where they lie, no copy (ops.sparse_mla_decode joins them
+    by one copy only where a part's rows are not 16-byte aligned)."""
     if q_rope is None:
         return q.reshape(-1, heads, head_dim)
     nope = q.reshape(-1, heads, latent)
-    rope = q_rope.reshape(nope.shape[0], heads, head_dim - latent)
-    return torch.cat([nope, rope], dim=-1)
+    return nope, q_rope.reshape(nope.shape[0], heads, head_dim - latent)
+
+
+def query_tokens(query: torch.Tensor | tuple[torch.Tensor, torch.Tensor], start: int,
+                 end: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [start, end) of a query from absorbed_query (one tensor or the pair) as
+    ops.sparse_mla_decode takes them: each token its own request of one query token,
+    [n, 1, H, width] views."""
+    if isinstance(query, tuple):
+        return tuple(part[start:end].unsqueeze(1) for part in query)
+    return query[start:end].unsqueeze(1)

@@ -128,12 +128,13 @@ class MLASparseImpl(SparseMLACommonImpl[MLASparseMetadata]):
 
     def _forward_mqa_kernel(self, q, kv_cache, topk_indices, valid_counts, *, layer,
                             block_size, is_decode):
-        if isinstance(q, tuple):  # (ql_nope [T, H, 512], q_pe [T, H, 64]), strided views
-            q = torch.cat(q, dim=-1)
-        tokens, heads, dim = q.shape
+        # (ql_nope [T, H, 512], q_pe [T, H, 64]) strided views, handed on as they are (the op
+        # joins them by one copy only where a part's rows are not 16-byte aligned), or one
+        # [T, H, 576] tensor; each token its own request of one query token
+        tokens, heads = (q[0] if isinstance(q, tuple) else q).shape[:2]
+        query = tuple(t.unsqueeze(1) for t in q) if isinstance(q, tuple) else q.unsqueeze(1)
         # -1 marks no key (the kernel skips it): valid_counts is not needed
-        out, lse = ops.sparse_mla_decode(q.view(tokens, 1, heads, dim),
-                                         kv_cache_pages(kv_cache, block_size),
+        out, lse = ops.sparse_mla_decode(query, kv_cache_pages(kv_cache, block_size),
                                          topk_indices.view(tokens, 1, -1), self._step_plan,
                                          self.scale)
         return out.view(tokens, heads, ops.D_V), lse.view(tokens, heads)

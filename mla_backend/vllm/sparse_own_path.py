@@ -109,14 +109,15 @@ class MLASparseImpl(SparseMLAAttentionImpl[MLASparseMetadata]):
                              "topk_indices_buffer")
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
-        if isinstance(q, tuple):  # (ql_nope [T, H, 512], q_pe [T, H, 64]), strided views
-            q = torch.cat(q, dim=-1)
-        tokens, heads, dim = q.shape
+        # (ql_nope [T, H, 512], q_pe [T, H, 64]) strided views, handed on as they are (the op
+        # joins them by one copy only where a part's rows are not 16-byte aligned), or one
+        # [T, H, 576] tensor; each token its own request of one query token
+        tokens, heads = (q[0] if isinstance(q, tuple) else q).shape[:2]
+        query = tuple(t.unsqueeze(1) for t in q) if isinstance(q, tuple) else q.unsqueeze(1)
         local = self.topk_indices_buffer[:tokens]
         slots = triton_convert_req_index_to_global_index(
             attn_metadata.req_id_per_token, attn_metadata.block_table, local,
             BLOCK_SIZE=support.BLOCK_SIZE, NUM_TOPK_TOKENS=local.shape[1])
-        out, lse = ops.sparse_mla_decode(q.view(tokens, 1, heads, dim), kv_c_and_k_pe_cache,
-                                         slots.view(tokens, 1, -1), attn_metadata.plan,
-                                         self.scale)
+        out, lse = ops.sparse_mla_decode(query, kv_c_and_k_pe_cache, slots.view(tokens, 1, -1),
+                                         attn_metadata.plan, self.scale)
         return out.view(tokens, heads, ops.D_V), lse.view(tokens, heads)

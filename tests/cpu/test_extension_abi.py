@@ -35,7 +35,7 @@ SCHEMAS = {
         "mla_backend::plan_sparse_decode(Tensor? topk_length, Tensor(a!) metadata, "
         "int q_tokens_per_req, int topk, int num_ctas, int min_units, int unit_tokens) -> ()"),
     "sparse_mla_decode": (
-        "mla_backend::sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices, "
+        "mla_backend::sparse_mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor indices, "
         "Tensor? topk_length, Tensor metadata, Tensor(a!) partial_out, Tensor(b!) partial_lse, "
         "Tensor(c!) out, Tensor(d!) lse, int num_ctas, int rows_per_cta, float softmax_scale, "
         "bool combine, int uniform_units, int units_per_cta) -> ()"),
@@ -119,14 +119,29 @@ CHECK_CASES = [
     ("plan_sparse_decode", lambda: (_i32(2), _f32(4), 1, 64, 4, 1, 64),
      "plan_sparse_decode: metadata must be contiguous int32 [groups + 2] on CUDA"),
     ("sparse_mla_decode",
-     lambda: (_bf16(2, 576), _bf16(3, 64, 576), _i32(2, 1, 64), _i32(2), _i32(4),
+     lambda: (_bf16(2, 576), None, _bf16(3, 64, 576), _i32(2, 1, 64), _i32(2), _i32(4),
               _f32(8, 16, 512), _f32(8, 16), _bf16(2, 1, 16, 512), _f32(2, 1, 16), 4, 64, 0.1,
               True, 0, 0),
      "sparse_mla_decode: bad q"),
+    ("sparse_mla_decode",  # q whole (576) with a rope part given too
+     lambda: (_bf16(2, 1, 16, 576), _bf16(2, 1, 16, 64), _bf16(3, 64, 576), _i32(2, 1, 64),
+              None, _i32(4), _f32(8, 16, 512), _f32(8, 16), _bf16(2, 1, 16, 512),
+              _f32(2, 1, 16), 4, 64, 0.1, False, 1, 2),
+     "sparse_mla_decode: bad q"),
+    ("sparse_mla_decode",  # q is the latent part: the rope part's columns must be contiguous
+     lambda: (_bf16(2, 1, 16, 512), _bf16(2, 1, 64, 16).transpose(2, 3), _bf16(3, 64, 576),
+              _i32(2, 1, 64), None, _i32(4), _f32(8, 16, 512), _f32(8, 16),
+              _bf16(2, 1, 16, 512), _f32(2, 1, 16), 4, 64, 0.1, False, 1, 2),
+     "sparse_mla_decode: bad q_pe"),
     ("sparse_mla_decode",  # q right, the cache's token width wrong
-     lambda: (_bf16(2, 1, 16, 576), _bf16(3, 64, 512), _i32(2, 1, 64), None, _i32(4),
+     lambda: (_bf16(2, 1, 16, 576), None, _bf16(3, 64, 512), _i32(2, 1, 64), None, _i32(4),
               _f32(8, 16, 512), _f32(8, 16), _bf16(2, 1, 16, 512), _f32(2, 1, 16), 4, 64, 0.1,
               False, 1, 2),
+     "sparse_mla_decode: bad kv_cache"),
+    ("sparse_mla_decode",  # the two parts right, the cache's token width wrong
+     lambda: (_bf16(2, 1, 16, 512), _bf16(2, 1, 16, 64), _bf16(3, 64, 512), _i32(2, 1, 64),
+              None, _i32(4), _f32(8, 16, 512), _f32(8, 16), _bf16(2, 1, 16, 512),
+              _f32(2, 1, 16), 4, 64, 0.1, False, 1, 2),
      "sparse_mla_decode: bad kv_cache"),
 ]
 

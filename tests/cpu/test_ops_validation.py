@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mla_backend import _extension, ops
+from mla_backend.ops import sparse
 
 
 def _args(batch=2, s_q=1, heads=16, dtype=torch.bfloat16):
@@ -171,6 +172,17 @@ SPARSE_CASES = [
     ("plan", lambda a: None, TypeError, "plan must be a SparsePlan from plan_sparse_decode; got NoneType"),
     ("plan", lambda a: _sparse_args(topk=32)["plan"], ValueError, "plan is for batch 2, s_q 1, H 16, topk 32"),
     ("softmax_scale", lambda a: 0.0, ValueError, "softmax_scale must be a positive finite float"),
+    # the query as the pair (q_nope, q_pe)
+    ("q", lambda a: (a["q"][..., :512], a["q"][..., 512:], a["q"]), TypeError, r"a pair \(q_nope, q_pe\); got 3 items"),
+    ("q", lambda a: (a["q"], a["q"][..., 512:]), ValueError, r"q_nope \(q\[0\]\) must have a last dim of 512; got shape \(2, 1, 16, 576\)"),
+    ("q", lambda a: (a["q"][..., :512], a["q"][:1, ..., 512:]), ValueError, r"q_pe \(q\[1\]\) must be q_nope's shape \(2, 1, 16\) with a last dim of 64; got shape \(1, 1, 16, 64\)"),
+    ("q", lambda a: (a["q"][..., :512], a["q"][..., 448:]), ValueError, r"q_pe \(q\[1\]\) must be q_nope's shape \(2, 1, 16\) with a last dim of 64; got shape \(2, 1, 16, 128\)"),
+    ("q", lambda a: (a["q"][..., :512], a["q"][..., 512:].half()), TypeError, r"q_pe \(q\[1\]\) must have q_nope's dtype torch.bfloat16; got shape \(2, 1, 16, 64\) dtype torch.float16"),
+    ("q", lambda a: (a["q"][..., :512].half(), a["q"][..., 512:].half()), TypeError, r"q_nope \(q\[0\]\) must be bfloat16 for the sparse kernels; got shape \(2, 1, 16, 512\) dtype torch.float16"),
+    ("q", lambda a: (a["q"][0, ..., :512], a["q"][0, ..., 512:]), ValueError, r"q_nope \(q\[0\]\) must be \[batch, s_q, heads, 512\]; got shape \(1, 16, 512\)"),
+    ("q", lambda a: (torch.zeros(2, 1, 129, 512).bfloat16(), torch.zeros(2, 1, 129, 64).bfloat16()), ValueError, r"q_nope \(q\[0\]\) must have s_q >= 1 and heads in \[1, 128\]; got shape \(2, 1, 129, 512\)"),
+    ("q", lambda a: (a["q"][..., :512], "pe"), TypeError, r"q_pe \(q\[1\]\) must be a torch.Tensor; got str"),
+    ("q", lambda a: (a["q"][..., :512], a["q"][..., 512:].to("meta")), ValueError, r"q_pe \(q\[1\]\) is on meta but q_nope is on cpu"),
 ]
 
 
@@ -181,6 +193,70 @@ def test_sparse_mla_decode_rejects(name, make, exc, msg):
     args[name] = make(args)
     with pytest.raises(exc, match=msg):
         ops.sparse_mla_decode(**args)
+
+
+def _vllm_parts(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_nope, q_pe) of q [B, s_q, H, 576] as vLLM 0.25 hands them: q_nope a transposed view
+    of a heads-outermost buffer, q_pe the last 64 columns of a [.., 192]-wide projection."""
+    batch, s_q, heads, _ = q.shape
+    nope = q[..., :512].reshape(-1, heads, 512).transpose(0, 1).contiguous().transpose(0, 1)
+    proj = torch.zeros(batch * s_q, heads, 192, dtype=q.dtype)
+    proj[..., 128:] = q[..., 512:].reshape(-1, heads, 64)
+    return nope.view(batch, s_q, heads, 512), proj[..., 128:].view(batch, s_q, heads, 64)
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view 2 bytes off 16-byte alignment."""
+    spare = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = spare[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def test_sparse_query_in_two_parts_reaches_the_device_check():
+    """A valid pair passes every shape check, strided as vLLM hands it and with a part off
+    16-byte alignment alike (such a pair is joined by a copy, never an argument error); the
+    device check then names the part."""
+    args = _sparse_args()
+    q = args["q"]
+    nope, pe = _vllm_parts(q)
+    assert not nope.is_contiguous() and not pe.is_contiguous()
+    for pair in ((nope, pe), (nope, _misaligned(pe)), (_misaligned(nope), pe)):
+        args["q"] = pair
+        with pytest.raises(ValueError, match=r"q_nope \(q\[0\]\) must be on a CUDA device"):
+            ops.sparse_mla_decode(**args)
+    with pytest.raises(ValueError, match=r"q_nope \(q\[0\]\) must be on a CUDA device"):
+        ops.sparse_mla_prefill((nope[:, 0], pe[:, 0]), args["kv_cache"], args["indices"][:, 0],
+                               0.1)
+
+
+def test_sparse_pair_plan_and_out_are_checked_against_the_latent_part():
+    args = _sparse_args()
+    args["q"] = _vllm_parts(args["q"])
+    plan = _sparse_args(heads=8)["plan"]
+    with pytest.raises(ValueError, match="plan is for batch 2, s_q 1, H 8, topk 64; q / indices "
+                                         "have batch 2, s_q 1, H 16, topk 64"):
+        ops.sparse_mla_decode(**{**args, "plan": plan})
+    with pytest.raises(ValueError, match=r"out must be contiguous torch.bfloat16 \[2, 1, 16, 512\]"):
+        ops.sparse_mla_decode(**args, out=torch.empty(2, 1, 16, 576, dtype=torch.bfloat16))
+
+
+def test_sparse_kernel_query_reads_parts_in_place_and_joins_the_rest():
+    """What the kernel is handed: one whole q as is; a pair whose rows the TMA can read where
+    they lie as the same two tensors (no copy); a pair with a part off 16-byte alignment, or
+    with a row stride that is not a 16-byte multiple, as one new joined [.., 576] tensor."""
+    q = _sparse_args()["q"]
+    whole, no_pe = sparse._kernel_query(q)
+    assert whole is q and no_pe is None
+    nope, pe = _vllm_parts(q)
+    got_nope, got_pe = sparse._kernel_query((nope, pe))
+    assert got_nope is nope and got_pe is pe
+    odd_stride = torch.zeros(2, 1, 16, 68, dtype=q.dtype)[..., :64]  # 136-byte head stride
+    odd_stride.copy_(pe)
+    for pair in ((nope, _misaligned(pe)), (_misaligned(nope), pe), (nope, odd_stride)):
+        joined, none = sparse._kernel_query(pair)
+        assert none is None and joined.shape == (2, 1, 16, 576) and joined.is_contiguous()
+        assert torch.equal(joined, q)
 
 
 def test_sparse_topk_length_must_be_the_plans():

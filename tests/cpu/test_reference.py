@@ -135,6 +135,27 @@ def test_sparse_prefill_paged_equals_flat():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_sparse_query_as_a_pair_equals_the_joined_query():
+    """(q_nope, q_pe) in any strides gives what the joined [.., 576] query gives, in decode
+    and in prefill; the parts are not modified."""
+    g = torch.Generator().manual_seed(5)
+    paged = torch.randn(3, PAGE, 576, generator=g)
+    idx = torch.randint(-1, 3 * PAGE, (4, 2, 16), generator=g, dtype=torch.int32)
+    q = torch.randn(4, 2, 3, 576, generator=g)
+    nope = q[..., :512].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # heads outermost
+    pe = torch.randn(4, 2, 3, 192, generator=g)
+    pe[..., 128:] = q[..., 512:]
+    pe = pe[..., 128:]
+    kept = (nope.clone(), pe.clone())
+    want = ref.sparse_mla_decode(q, paged, idx, None, SCALE)
+    got = ref.sparse_mla_decode((nope, pe), paged, idx, None, SCALE)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    want = ref.sparse_mla_prefill(q[:, 0], paged, idx[:, 0], SCALE)
+    got = ref.sparse_mla_prefill((nope[:, 0], pe[:, 0]), paged, idx[:, 0], SCALE)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(nope, kept[0]) and torch.equal(pe, kept[1])
+
+
 def test_sparse_out_of_range_index_is_skipped_like_minus_one():
     g = torch.Generator().manual_seed(7)
     kv, q = torch.randn(64, 576, generator=g), torch.randn(2, 3, 576, generator=g)

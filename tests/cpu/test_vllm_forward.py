@@ -267,8 +267,11 @@ def test_sparse_forward_hands_the_kernel_cache_slots(tmp_path, monkeypatch):
 
     (q, pages, args, kwargs), = calls
     indices, plan, scale = args
-    assert q.shape == (2, 1, H, 576) and q.is_contiguous()
-    assert torch.equal(q[:, 0, :, :512], ql_nope) and torch.equal(q[:, 0, :, 512:], q_pe)
+    # q: the two parts as vLLM passed them, viewed [tokens, 1, H, 512 | 64], never copied
+    q_nope, q_rope = q
+    assert q_nope.shape == (2, 1, H, 512) and q_rope.shape == (2, 1, H, 64)
+    assert q_nope.data_ptr() == ql_nope.data_ptr() and q_rope.data_ptr() == q_pe.data_ptr()
+    assert torch.equal(q_nope[:, 0], ql_nope) and torch.equal(q_rope[:, 0], q_pe)
     assert indices.shape == (2, 1, 256) and indices.dtype == torch.int32
     assert plan is md.plan and plan.batch == 2 and scale == 0.125
     assert pages.shape[1:] == (64, 576) and pages.stride()[1:] == (576, 1)
@@ -309,9 +312,83 @@ def test_sparse_forward_with_a_long_prefill(tmp_path, monkeypatch):
     cache = torch.zeros(16, 64, 576, dtype=torch.bfloat16)
     impl.forward_mqa(_q_parts(4), cache, md, layer=None)
     (q, pages, (indices, plan, _), _), = calls
-    assert q.shape == (4, 1, H, 576) and plan.batch == 4
+    assert [t.shape for t in q] == [(4, 1, H, 512), (4, 1, H, 64)] and plan.batch == 4
     expect = [(0, 399), (1, 297), (1, 298), (1, 299)]
     for token, (req, pos) in enumerate(expect):
         slot = indices[token, 0, 0].item()
         block = md.block_table[req, pos // 64].item()
         assert pages[slot // 64, slot % 64].data_ptr() == cache[block, pos % 64].data_ptr()
+
+
+def test_sparse_forward_hands_on_parts_the_kernel_cannot_read_in_place(tmp_path, monkeypatch):
+    """A rope part 2 bytes off 16-byte alignment, or one whole [T, H, 576] query (vLLM joins
+    the parts itself under DCP), reaches ops.sparse_mla_decode as it came, viewed one query
+    token per request: the op, not the adapter, decides on a copy."""
+    impl, builder, topk = _sparse_setup(tmp_path, monkeypatch, tokens=2)
+    _intercept_conversion(monkeypatch, impl)
+    calls = _kernel_spy(monkeypatch, "sparse_mla_decode")
+    md = builder.build(0, common([1, 1], [130, 70]))
+    topk[:, 0] = torch.tensor([3, 5])
+    ql_nope, q_pe = _q_parts(2)
+    spare = torch.empty(q_pe.numel() + 1, dtype=q_pe.dtype)
+    shifted = spare[1:].view(q_pe.shape)
+    shifted.copy_(q_pe)
+    whole = torch.cat((ql_nope, q_pe), dim=-1)
+    cache = torch.zeros(24, 64, 576, dtype=torch.bfloat16)
+    for q in ((ql_nope, shifted), whole):
+        if V033:
+            impl.prepare_for_batch(md)
+            impl.record_logical_topk_ready()
+        impl.forward_mqa(q, cache, md, layer=None)
+    (pair, *_), (one, *_) = calls
+    assert pair[0].data_ptr() == ql_nope.data_ptr() and pair[1].data_ptr() == shifted.data_ptr()
+    assert pair[1].shape == (2, 1, H, 64) and torch.equal(pair[1][:, 0], q_pe)
+    assert isinstance(one, torch.Tensor) and one.shape == (2, 1, H, 576)
+    assert one.data_ptr() == whole.data_ptr()
+
+
+def test_sparse_layer_forward_through_vllm(tmp_path, monkeypatch):
+    """vLLM's own MLAAttention.forward_impl (the layer's decode path, run here on a layer
+    holding just what it reads) with our sparse impl: the kernel gets the layer's two query
+    parts, q_nope W_UK and the rope columns of the projected q, as views (no copy joins
+    them), and its output, up-projected by W_UV, is the layer's output."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    impl, builder, topk = _sparse_setup(tmp_path, monkeypatch, tokens=2)
+    _intercept_conversion(monkeypatch, impl)
+    calls = _kernel_spy(monkeypatch, "sparse_mla_decode")
+    md = builder.build(0, common([1, 1], [130, 70]))
+    topk[:, 0] = torch.tensor([3, 5])
+    if V033:
+        impl.prepare_for_batch(md)
+        impl.record_logical_topk_ready()
+    g = torch.Generator().manual_seed(2)
+    w_uk_t = (torch.randn(H, 128, 512, generator=g) / 16).to(torch.bfloat16)
+    w_uv = (torch.randn(H, 512, 128, generator=g) / 16).to(torch.bfloat16)
+    layer = types.SimpleNamespace(
+        num_heads=H, v_head_dim=128, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, q_pad_num_heads=None, is_aiter_triton_fp4_bmm_enabled=False,
+        is_aiter_triton_fp8_bmm_enabled=False, is_amx_bmm_enabled=False, impl=impl,
+        kv_cache_dtype="auto", use_pcp=False, W_UK_T=w_uk_t, W_UK_T_dcp_qrep=None, W_UV=w_uv,
+        _k_scale=torch.tensor(1.0), prefill_backend=None, dcp_manager=None,
+        chunked_prefill_workspace_size=64)
+    layer._v_up_proj = types.MethodType(MLAAttention._v_up_proj, layer)
+    if impl.dcp_world_size == -1:  # vLLM 0.25 asks the DCP group at the first forward
+        impl.dcp_world_size = 1
+    q = torch.randn(2, H, 192, generator=g).to(torch.bfloat16)
+    cache = torch.zeros(24, 64, 576, dtype=torch.bfloat16)
+    output = torch.full((2, H * 128), float("nan"), dtype=torch.bfloat16)
+    MLAAttention.forward_impl(layer, q, torch.zeros(2, 512), torch.zeros(2, 1, 64), cache, md,
+                              output)
+
+    (kq, *_), = calls
+    kq_nope, kq_pe = kq
+    assert kq_nope.shape == (2, 1, H, 512) and kq_pe.shape == (2, 1, H, 64)
+    ql_nope = torch.bmm(q[..., :128].transpose(0, 1), w_uk_t).transpose(0, 1)
+    assert torch.equal(kq_nope[:, 0], ql_nope)
+    assert torch.equal(kq_pe[:, 0], q[..., 128:])
+    assert kq_pe.data_ptr() == q[..., 128:].data_ptr()
+    tag = 64 * torch.arange(2)[:, None] + torch.arange(H)[None, :]
+    attn = tag[..., None].expand(2, H, 512).to(torch.bfloat16)
+    expect = torch.bmm(attn.transpose(0, 1), w_uv).transpose(0, 1).reshape(2, H * 128)
+    assert torch.equal(output, expect)

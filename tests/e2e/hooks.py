@@ -237,8 +237,11 @@ def _sparse_mla_decode(q, kv_cache, indices, plan, softmax_scale, topk_length=No
     if _seen["options"].get("perturb") == "rope_dropped":
         if _capturing():
             raise RuntimeError("the perturbed kernels run in eager engines only")
-        q = q.clone()
-        q[..., formats.KV_LORA_RANK:] = 0
+        if isinstance(q, tuple):  # (q_nope, q_pe) as the adapters hand it: a zero rope part
+            q = (q[0], torch.zeros_like(q[1]))
+        else:
+            q = q.clone()
+            q[..., formats.KV_LORA_RANK:] = 0
         _seen["perturbed_calls"] += 1
     result = sparse.sparse_mla_decode(q, kv_cache, indices, plan, softmax_scale,
                                       topk_length=topk_length, out=out)

@@ -226,7 +226,8 @@ def test_extend_with_prefix_maps_each_token_to_its_request(calls):
     _close(out, _expected(backend, [1, 1, 1, 3, 3], positions, q))
 
 
-def test_extend_beyond_one_kernel_call_is_split(monkeypatch):
+@pytest.mark.parametrize("parts", [False, True], ids=["whole", "two parts"])
+def test_extend_beyond_one_kernel_call_is_split(monkeypatch, parts):
     kernels = KernelCalls(max_groups=2)
     monkeypatch.setattr(dsa, "ops", kernels)
     monkeypatch.setattr(ops_sparse, "_require_cuda", lambda tensors, device: None)
@@ -235,10 +236,15 @@ def test_extend_beyond_one_kernel_call_is_split(monkeypatch):
     backend.init_forward_metadata(fb)
     positions = [[127, 0], [128, 5], [129, 64], [64, 1], [65, 2]]
     q = _query(5)
-    out = backend.forward_extend(q, None, None, _layer(), fb, save_kv_cache=False,
-                                 topk_indices=_topk(positions))
+    query = dict(q=q)
+    if parts:  # SGLang's latent and rope parts: each call gets its tokens' rows of both
+        query = dict(q=q.view(5, 4, 576)[..., :512].reshape(5, 4 * 512),
+                     q_rope=q.view(5, 4, 576)[..., 512:].reshape(5, 4 * 64))
+    out = backend.forward_extend(query.pop("q"), None, None, _layer(), fb, save_kv_cache=False,
+                                 topk_indices=_topk(positions), **query)
     _close(out, _expected(backend, [1, 1, 1, 3, 3], positions, q))
     assert [c.plan.batch for c in kernels.calls] == [2, 2, 1]
+    assert all(isinstance(c.q, tuple) is parts for c in kernels.calls)
 
 
 def _seqlens_expand(extend_seq_lens, seq_lens, total_len, max_q_len):
@@ -262,6 +268,10 @@ def test_target_verify_reads_the_expanded_table(calls, monkeypatch):
     out = backend.forward_extend(q_nope, None, None, _layer(), fb, save_kv_cache=False,
                                  q_rope=q_rope, topk_indices=_topk(positions))
     _close(out, _expected(backend, [1, 1, 1, 3, 3, 3], positions, q))
+    # the two parts reach the kernel as views of SGLang's tensors (no copy joins them)
+    kq_nope, kq_rope = calls.calls[-1].q
+    assert kq_nope.shape == (6, 1, 4, 512) and kq_rope.shape == (6, 1, 4, 64)
+    assert kq_nope.data_ptr() == q_nope.data_ptr() and kq_rope.data_ptr() == q_rope.data_ptr()
     # one table row per query token, as wide as the longest request (128 keys): position
     # 128 is outside it (none); position 60 of the second request is page 2, row 60
     assert calls.calls[-1].indices[2, 0, :4].tolist() == [7 * 64 + 63, 7 * 64 + 62,

@@ -80,11 +80,28 @@ def test_paged_cache_views_slots_as_pages():
         sparse_index.paged_cache(bf16[:100], fp8=False)
 
 
-def test_two_part_query_is_joined_and_whole_query_viewed():
+def test_two_part_query_is_viewed_in_place_and_whole_query_viewed():
+    """SGLang's two parts become the pair ([T, H, 512], [T, H, 64]) of views of its own
+    tensors (no copy); a whole [T, H*576] query becomes one [T, H, 576] view."""
     q = torch.randn(3, 2, 576).to(torch.bfloat16)
     nope = q[..., :512].reshape(3, 2 * 512)
-    rope = q[..., 512:].reshape(3, 2 * 64)
-    assert torch.equal(sparse_index.absorbed_query(nope, rope, 2, 576, 512), q)
+    proj = torch.zeros(3, 2, 192, dtype=torch.bfloat16)  # the rope part: columns of a projection
+    proj[..., 128:] = q[..., 512:]
+    rope = proj[..., 128:]
+    got_nope, got_rope = sparse_index.absorbed_query(nope, rope, 2, 576, 512)
+    assert got_nope.shape == (3, 2, 512) and got_rope.shape == (3, 2, 64)
+    assert got_nope.data_ptr() == nope.data_ptr() and got_rope.data_ptr() == rope.data_ptr()
+    assert torch.equal(torch.cat((got_nope, got_rope), -1), q)
     whole = q.reshape(3, 2 * 576)
     view = sparse_index.absorbed_query(whole, None, 2, 576, 512)
     assert view.shape == (3, 2, 576) and view.data_ptr() == whole.data_ptr()
+
+
+def test_query_tokens_are_requests_of_one_token():
+    q = torch.randn(5, 2, 576).to(torch.bfloat16)
+    pair = (q[..., :512], q[..., 512:])
+    nope, rope = sparse_index.query_tokens(pair, 1, 4)
+    assert nope.shape == (3, 1, 2, 512) and rope.shape == (3, 1, 2, 64)
+    assert nope.data_ptr() == q[1].data_ptr() and torch.equal(rope[:, 0], q[1:4, :, 512:])
+    one = sparse_index.query_tokens(q, 3, 5)
+    assert one.shape == (2, 1, 2, 576) and one.data_ptr() == q[3].data_ptr()
