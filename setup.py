@@ -5,7 +5,9 @@ Env vars:
   MLA_BACKEND_SKIP_CUDA=1     never build the extension
   MLA_BACKEND_PTXAS_VERBOSE=1 print ptxas' per-kernel register / shared-memory report
   MLA_BACKEND_CUTLASS_INCLUDE path to CUTLASS/CuTe headers (default: the nvidia-cutlass wheel)
-  MLA_BACKEND_NVCC_FLAGS      extra nvcc flags, space-separated (experiment builds, e.g. -DNAME=1)
+  MLA_BACKEND_NVCC_FLAGS      extra nvcc flags, space-separated (experiment builds, e.g. -DNAME=1;
+                              -DMLA_BACKEND_16BIT_PARTIALS=0 or 1: dense split partials in
+                              float32, or 16-bit unstaged; see csrc/splitkv/params.h)
   MAX_JOBS                    parallel nvcc jobs (ninja); default: number of CPUs
 """
 

@@ -5,6 +5,7 @@ Run on the GPU machine from the repository root (vLLM's kernels come from /opt/v
     PYTHONPATH=/opt/vk/site python -m bench.dense_decode [--quick] [--out PATH]
                                                          [--no-flashinfer] [--peers ...]
                                                          [--fp8 | --fp8-only]
+                                                         [--min-tokens-per-cta N]
 
 Kernels (bf16 cache [num_blocks, 64, 576], int32 block table / seq lens, causal, varlen):
   ours            mla_backend.ops.plan_decode + mla_decode
@@ -80,6 +81,10 @@ for that reason, its time shows as '!' and --fp8-peer-tol sets the peer's limit 
 bytes = tokens 576 + Q + O bytes (Q, O in bf16); FLOPs as above. Results:
 bench/results/dense_decode_fp8-<gpu-slug>-<date>.json (job "dense_decode_fp8"), next to the
 bf16 file (--out DIR: in DIR; --fp8-only --out FILE: FILE), with its own table and summary.
+
+Bench only: --min-tokens-per-cta N plans ours with at least N keys per CTA instead of the
+library's cost_model.MIN_TOKENS_PER_CTA (plan_decode's _min_tokens_per_cta), to sweep the split
+minimum in one call; the results file records it as min_tokens_per_cta (null: the default).
 
 Exit status: 0; 1 if ours failed the correctness gate in some row; 2 if the run stopped early.
 """
@@ -371,10 +376,13 @@ def run_matrix(matrix: dict[str, tuple[int, ...]], kernels: list[str],
     return ours_bad, status
 
 
-def results_extra(kernels: list[str], metadata: dict[str, str]) -> dict[str, object]:
-    """The results file's top-level description of the per-layer figures."""
+def results_extra(kernels: list[str], metadata: dict[str, str],
+                  min_tokens_per_cta: int | None = None) -> dict[str, object]:
+    """The results file's top-level description of the per-layer figures, and ours' split
+    minimum where --min-tokens-per-cta replaced the library's."""
     return {"layers_per_step": LAYERS_PER_STEP,
-            "per_step_metadata": {k: metadata[k] for k in kernels if k in metadata}}
+            "per_step_metadata": {k: metadata[k] for k in kernels if k in metadata},
+            "min_tokens_per_cta": min_tokens_per_cta}
 
 
 def report(rows: list[BenchRow], kernels: list[str], copy_bw: float | None, out_path: Path,
@@ -423,7 +431,8 @@ def fp8_decode_block(args: argparse.Namespace, copy_bw: float | None = None) -> 
     def save() -> None:
         common.write_results(out_path, job=JOB_FP8, gpu=gpu, date=date, commit=commit,
                              copy_bw_gbs=copy_bw, rows=rows,
-                             extra=results_extra(kernels, FP8_PER_STEP_METADATA))
+                             extra=results_extra(kernels, FP8_PER_STEP_METADATA,
+                                                 args.min_tokens_per_cta))
 
     ours_bad, status = run_matrix(m, kernels, FP8_BUILDERS, args, copy_bw, rows, save,
                                   fp8=True)
@@ -490,10 +499,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"rel L2 limit for FlashMLA's fp8 output (default {REL_L2_TOL:g}, the "
                          "same gate as everyone; its kernel also rounds the softmax "
                          "probabilities to e4m3, which no reference models)")
+    ap.add_argument("--min-tokens-per-cta", type=int, default=None, metavar="N",
+                    help="bench only: plan ours with at least N keys per CTA instead of the "
+                         "library's MIN_TOKENS_PER_CTA (to sweep the split minimum)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks for failures")
     args = ap.parse_args(argv)
     if args.rounds < 0:
         ap.error(f"--rounds must be >= 1 (or 0: one per kernel); got {args.rounds}")
+    if args.min_tokens_per_cta is not None and args.min_tokens_per_cta < 1:
+        ap.error(f"--min-tokens-per-cta must be >= 1; got {args.min_tokens_per_cta}")
     peers = [p for p in args.peers.split(",") if p]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -523,14 +537,18 @@ def environment_report(kernels: list[str]) -> None:
     log(f"torch {torch.__version__}, {common.gpu_name()}, "
         f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs, "
         f"capability {torch.cuda.get_device_capability()}")
-    probes: list[tuple[str, Callable[[], object]]] = [
-        ("vllm", lambda: importlib.import_module("vllm").__version__)]
+    probes: list[tuple[str, Callable[[], object]]] = []
+    if any(k != OURS for k in kernels):  # importing vLLM takes seconds; ours alone needs none
+        probes.append(("vllm", lambda: importlib.import_module("vllm").__version__))
     if "flashinfer_mla" in kernels:
         probes.append(("flashinfer", lambda: importlib.import_module("flashinfer").__version__))
     if OURS in kernels:
         def extension() -> str:
             ext = importlib.import_module("mla_backend._extension")
-            return "loaded" if ext.load() else f"NOT available: {ext._state['error']}"
+            if not ext.load():
+                return f"NOT available: {ext._state['error']}"
+            bits = 8 * int(torch.ops.mla_backend.dense_partial_bytes())
+            return f"loaded from {ext.extension_path()}, {bits}-bit dense split partials"
         probes.append(("mla_backend extension", extension))
     for what, fn in probes:
         try:
@@ -550,6 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     out_path = common.resolve_out(args.out, JOB, gpu, date)
     environment_report(args.fp8_kernels if args.fp8_only else args.kernels)
     m = args.matrix
+    if args.min_tokens_per_cta is not None:
+        from mla_backend.ops.cost_model import MIN_TOKENS_PER_CTA
+
+        log(f"ours planned with at least {args.min_tokens_per_cta} keys per CTA "
+            f"(--min-tokens-per-cta; the library's minimum is {MIN_TOKENS_PER_CTA})")
     if not args.fp8_only:
         log(f"matrix: H {m['H']} x s_q {m['s_q']} x batch {m['batch']} x seq_len "
             f"{m['seq_len']}; kernels: {', '.join(args.kernels)}; results -> {out_path}")
@@ -568,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         def save() -> None:
             common.write_results(out_path, job=JOB, gpu=gpu, date=date, commit=commit,
                                  copy_bw_gbs=copy_bw, rows=rows,
-                                 extra=results_extra(args.kernels, PER_STEP_METADATA))
+                                 extra=results_extra(args.kernels, PER_STEP_METADATA,
+                                                     args.min_tokens_per_cta))
 
         ours_bad, status = run_matrix(m, args.kernels, BUILDERS, args, copy_bw, rows, save)
         save()

@@ -11,6 +11,10 @@ namespace mla_backend {
 void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int64_t min_units,
                  int64_t unit_tokens);
 
+// Bytes per value of the dense decode kernels' split partial O: 2 (q's dtype, the default), or
+// 4 in a float32 build (MLA_BACKEND_16BIT_PARTIALS=0, splitkv/params.h)
+int64_t dense_partial_bytes();
+
 void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
                 const Tensor& block_table, const Tensor& seq_lens, const Tensor& metadata, Tensor& partial_out,
                 Tensor& partial_lse, Tensor& out, Tensor& lse, int64_t num_ctas,

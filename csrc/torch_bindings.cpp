@@ -10,6 +10,7 @@ STABLE_TORCH_LIBRARY(mla_backend, m) {
   m.def(
       "plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, int min_units, int unit_tokens) "
       "-> ()");
+  m.def("dense_partial_bytes() -> int");
   m.def(
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor metadata, "
       "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, "
@@ -29,4 +30,9 @@ STABLE_TORCH_LIBRARY_IMPL(mla_backend, CUDA, m) {
   m.impl("mla_decode", TORCH_BOX(&mla_backend::mla_decode));
   m.impl("plan_sparse_decode", TORCH_BOX(&mla_backend::plan_sparse_decode));
   m.impl("sparse_mla_decode", TORCH_BOX(&mla_backend::sparse_mla_decode));
+}
+
+// a build constant: no tensor argument, so no device to dispatch on
+STABLE_TORCH_LIBRARY_IMPL(mla_backend, CompositeExplicitAutograd, m) {
+  m.impl("dense_partial_bytes", TORCH_BOX(&mla_backend::dense_partial_bytes));
 }

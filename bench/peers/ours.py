@@ -14,12 +14,16 @@ from bench.sparse_inputs import Case
 
 def build_dense(x: Inputs, args: argparse.Namespace) -> Kernel:
     """plan_decode + mla_decode per call over a bf16 cache, or (fp8 block) an fp8 cache with
-    the pool's kv_scale as a CUDA tensor; step_premeta: mla_decode on the plan made once."""
+    the pool's kv_scale as a CUDA tensor; step_premeta: mla_decode on the plan made once.
+    args.min_tokens_per_cta (bench only; None: the library's minimum) sets the plan's least
+    keys per CTA."""
     from mla_backend import ops
 
     p = x.pool
     kv_dtype = FP8 if p.fp8 else None
-    plan = ops.plan_decode(p.seq_lens, x.s_q, x.H, kv_cache_dtype=kv_dtype)
+    plan_kw = {"kv_cache_dtype": kv_dtype,
+               "_min_tokens_per_cta": getattr(args, "min_tokens_per_cta", None)}
+    plan = ops.plan_decode(p.seq_lens, x.s_q, x.H, **plan_kw)
     out = torch.empty(x.B, x.s_q, x.H, D_V, device="cuda", dtype=BF16)
 
     def decode(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +32,7 @@ def build_dense(x: Inputs, args: argparse.Namespace) -> Kernel:
 
     def step(i: int) -> object:
         # vLLM pays plan_decode once per step for all layers; timed per call (conservative).
-        ops.plan_decode(p.seq_lens, x.s_q, x.H, kv_cache_dtype=kv_dtype, out=plan)
+        ops.plan_decode(p.seq_lens, x.s_q, x.H, out=plan, **plan_kw)
         return decode(i)
 
     return Kernel(step=step, check=lambda: step(0), step_premeta=decode)

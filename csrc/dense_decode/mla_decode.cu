@@ -38,6 +38,8 @@ void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int
                           current_stream(seq_lens));
 }
 
+int64_t dense_partial_bytes() { return splitkv::kDense16BitPartials ? 2 : 4; }
+
 void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
                 const Tensor& block_table, const Tensor& seq_lens, const Tensor& metadata, Tensor& partial_out,
                 Tensor& partial_lse, Tensor& out, Tensor& lse, int64_t num_ctas,
@@ -64,6 +66,13 @@ void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor
   STD_TORCH_CHECK(metadata.numel() == batch + 2 && partial_out.size(0) == 2 * num_ctas &&
                       partial_out.size(1) == rows && partial_lse.size(0) == 2 * num_ctas,
                   "mla_decode: plan buffers do not match q");
+  // the partial O rows as this build's kernels write them (splitkv::DensePartial)
+  const ScalarType part_type = splitkv::kDense16BitPartials ? q.scalar_type() : ScalarType::Float;
+  STD_TORCH_CHECK(partial_out.scalar_type() == part_type, "mla_decode: partial_out must be ",
+                  torch::headeronly::toString(part_type), ": this build writes ",
+                  splitkv::kDense16BitPartials ? "16-bit split partials in q's dtype" : "float32 split partials",
+                  " (dense_partial_bytes() = ", dense_partial_bytes(), "); got ",
+                  torch::headeronly::toString(partial_out.scalar_type()));
   if (batch == 0) return;
   const DeviceGuard guard(q.get_device_index());
   DecodeParams p =

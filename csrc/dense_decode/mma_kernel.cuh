@@ -22,6 +22,7 @@
 #include "common/ptx.cuh"
 #include "dense_decode/launch.h"
 #include "splitkv/combine.h"
+#include "splitkv/partials.cuh"
 #include "splitkv/schedule.cuh"
 
 namespace mla_backend::dense_decode {
@@ -224,11 +225,11 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
         if (wn == 0 && qd == 0) p.lse[int64_t(r) * p.rows + row] = lse_row;
       } else {
         const int64_t prow = (int64_t(cta) * 2 + slot) * p.rows + row;
-        float* po = p.part_out + prow * kDv;
+        DensePartial<T>* po = static_cast<DensePartial<T>*>(p.part_out) + prow * kDv;
 #pragma unroll
         for (int n = 0; n < Cfg::kNTiles; ++n) {
           const int col = wn * Cfg::kColsPerWarp + n * 8 + qd * 2;
-          *reinterpret_cast<float2*>(po + col) = make_float2(o[n][hr * 2] * inv_l, o[n][hr * 2 + 1] * inv_l);
+          store_partial2(po + col, o[n][hr * 2] * inv_l, o[n][hr * 2 + 1] * inv_l);
         }
         if (wn == 0 && qd == 0) p.part_lse[prow] = lse_row;
       }
@@ -350,7 +351,7 @@ void launch_mma_decode(const DecodeParams& p, cudaStream_t stream) {
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmem)));
   dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
   launch_pdl(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmem, stream, p);
-  launch_combine<T>(p, stream);
+  launch_combine<T, DensePartial<T>>(p, stream);
 }
 
 }  // namespace mla_backend::dense_decode

@@ -360,7 +360,8 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
 #pragma unroll
         for (int i = 0; i < 8 * kAcc; ++i) {
           const int h = head_at(i);
-          if (h < p.rows) p.part_out[((int64_t(cta) * 2 + slot) * p.rows + h) * kDv + col_of(i)] = o[i];
+          if (h < p.rows)
+            static_cast<float*>(p.part_out)[((int64_t(cta) * 2 + slot) * p.rows + h) * kDv + col_of(i)] = o[i];
         }
       } else {
         unsigned char* stage = smem;  // [head][512] bf16, 16-byte units XOR-swizzled by head % 8

@@ -100,8 +100,9 @@ void sparse_mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const
   STD_TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "sparse_mla_decode: out/lse must be contiguous");
   const int64_t groups = batch * s_q;
   STD_TORCH_CHECK(metadata.numel() == groups + 2 && partial_out.size(0) == 2 * num_ctas &&
-                      partial_out.size(1) == heads && partial_lse.size(0) == 2 * num_ctas,
-                  "sparse_mla_decode: plan buffers do not match q");
+                      partial_out.size(1) == heads && partial_lse.size(0) == 2 * num_ctas &&
+                      partial_out.scalar_type() == ScalarType::Float,
+                  "sparse_mla_decode: plan buffers do not match q (partial_out: float32 [2 * num_ctas, H, 512])");
   // uniform plan (uniform_units > 0): every group has its topk entries, ceil(topk / 64) units,
   // and the kernels take the schedule from these two numbers rather than from metadata
   const int64_t topk_units = (indices.size(2) + kUnitWgmma - 1) / kUnitWgmma;

@@ -9,6 +9,7 @@
 #include "common/mla_shapes.h"
 #include "common/ptx.cuh"
 #include "splitkv/combine.h"
+#include "splitkv/partials.cuh"
 #include "splitkv/schedule.cuh"
 
 namespace mla_backend::splitkv {
@@ -16,7 +17,8 @@ namespace {
 
 // Merge the partials of requests that span CTAs; zero out requests with no keys.
 // One 128-thread block per (row, request): warp g takes splits c = first + g (mod 4), each
-// lane 16 columns (4 float4 per split), so 16 loads per lane are in flight; the warps'
+// lane 16 columns (float32 partials: 4 float4 per split, 4 splits at a time; 16-bit: 2 loads
+// of 8 values, 8 splits at a time), so 16 loads per lane are in flight; the warps' float32
 // sums meet in shared memory. Blocks of unsplit requests exit at once.
 // With more requests than CTAs (by_cta), blockIdx.y = c < num_ctas takes the one request that
 // starts in CTA c's range and continues past it, if there is one (every split request starts
@@ -25,7 +27,7 @@ namespace {
 constexpr int kCombineWarps = 4;
 constexpr int kCombineThreads = 32 * kCombineWarps;
 
-template <typename T>
+template <typename T, typename Part>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_constant__ DecodeParams p,
                                                                   bool by_cta) {
   const cutlass::maximum<float, true> fmax_nan;  // max.NaN: NaN when either input is (fmaxf: the other)
@@ -89,18 +91,28 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   if (mx != -INFINITY)
     for (int c = first + tid; c <= last; c += 32 * kCombineWarps) wsum += __expf(__ldg(p.part_lse + slot_row(c)) - mx);
   wsum = block_reduce(wsum, false);
+  // each lane's 16 columns: kLoads 16-byte loads per split of kVals adjacent values (4 float32
+  // or 8 16-bit ones) at columns k * 32 * kVals + lane * kVals; 16 loads per lane in flight
+  // either way (kUnroll splits)
+  constexpr int kVals = 16 / int(sizeof(Part)), kLoads = 16 / kVals, kUnroll = 16 / kLoads;
+  const Part* part_out = static_cast<const Part*>(p.part_out);
   float4 acc[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (mx != -INFINITY) {
-#pragma unroll 4
+#pragma unroll kUnroll
     for (int c = first + warp; c <= last; c += kCombineWarps) {
       const int64_t pr = slot_row(c);
       const float w = __expf(__ldg(p.part_lse + pr) - mx);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(p.part_out + pr * kDv + k * 128 + lane * 4));
-        acc[k].x += w * v.x; acc[k].y += w * v.y; acc[k].z += w * v.z; acc[k].w += w * v.w;
+      for (int k = 0; k < kLoads; ++k) {
+        float4 v[kVals / 4];
+        load_partials_16B(part_out + pr * kDv + k * 32 * kVals + lane * kVals, v);
+#pragma unroll
+        for (int j = 0; j < kVals / 4; ++j) {
+          float4& a = acc[k * kVals / 4 + j];
+          a.x += w * v[j].x; a.y += w * v[j].y; a.z += w * v[j].z; a.w += w * v[j].w;
+        }
       }
     }
   }
@@ -111,6 +123,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   __syncthreads();
   if (warp != 0) return;
   const float inv = wsum != 0.f ? 1.f / wsum : 0.f;  // 0: no split had a key
+  // out's columns as the partials' loads had them: float32, each acc[k] where it was loaded;
+  // 16-bit, acc[2k] and acc[2k + 1] as one 16-byte store
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
 #pragma unroll
@@ -118,23 +132,38 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
       const float4 v = s_acc[g][k][lane];
       acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
     }
-    *reinterpret_cast<uint2*>(out + k * 128 + lane * 4) =
-        make_uint2(pack2<T>(acc[k].x * inv, acc[k].y * inv), pack2<T>(acc[k].z * inv, acc[k].w * inv));
+    if constexpr (kVals == 4)
+      *reinterpret_cast<uint2*>(out + k * 32 * kVals + lane * kVals) =
+          make_uint2(pack2<T>(acc[k].x * inv, acc[k].y * inv), pack2<T>(acc[k].z * inv, acc[k].w * inv));
+  }
+  if constexpr (kVals == 8) {
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const float4 &a = acc[2 * k], &b = acc[2 * k + 1];
+      *reinterpret_cast<uint4*>(out + k * 32 * kVals + lane * kVals) =
+          make_uint4(pack2<T>(a.x * inv, a.y * inv), pack2<T>(a.z * inv, a.w * inv),
+                     pack2<T>(b.x * inv, b.y * inv), pack2<T>(b.z * inv, b.w * inv));
+    }
   }
   if (lane == 0) p.lse[int64_t(r) * p.rows + row] = wsum != 0.f ? mx + __logf(wsum) : -INFINITY;
 }
 
 }  // namespace
 
-template <typename T>
+template <typename T, typename Part>
 void launch_combine(const DecodeParams& p, cudaStream_t stream) {
   const int by_cta_blocks = p.num_ctas + (p.batch + kCombineThreads - 1) / kCombineThreads;
   const bool by_cta = by_cta_blocks < p.batch;
-  launch_pdl(combine_kernel<T>, dim3(p.rows, by_cta ? by_cta_blocks : p.batch), dim3(kCombineThreads), 0, stream, p,
-             by_cta);
+  launch_pdl(combine_kernel<T, Part>, dim3(p.rows, by_cta ? by_cta_blocks : p.batch), dim3(kCombineThreads), 0,
+             stream, p, by_cta);
 }
 
-template void launch_combine<__nv_bfloat16>(const DecodeParams& p, cudaStream_t stream);
-template void launch_combine<__half>(const DecodeParams& p, cudaStream_t stream);
+template void launch_combine<__nv_bfloat16, float>(const DecodeParams& p, cudaStream_t stream);
+template void launch_combine<__half, float>(const DecodeParams& p, cudaStream_t stream);
+#if MLA_BACKEND_16BIT_PARTIALS
+template void launch_combine<__nv_bfloat16, __nv_bfloat16>(const DecodeParams& p,
+                                                            cudaStream_t stream);
+template void launch_combine<__half, __half>(const DecodeParams& p, cudaStream_t stream);
+#endif
 
 }  // namespace mla_backend::splitkv

@@ -9,8 +9,9 @@
 
 namespace mla_backend::splitkv {
 
-// T: the type of out (bf16 or fp16)
-template <typename T>
+// T: the type of out (bf16 or fp16); Part: the type of the partial O rows (float, or T: see
+// splitkv/partials.cuh)
+template <typename T, typename Part = float>
 void launch_combine(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace mla_backend::splitkv

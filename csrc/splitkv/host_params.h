@@ -18,7 +18,7 @@ inline DecodeParams decode_params(const Tensor& q, const Tensor& kv_cache, const
   p.qpe_stride_b = p.q_stride_b; p.qpe_stride_s = p.q_stride_s; p.qpe_stride_h = p.q_stride_h;
   p.kv = kv_cache.data_ptr();
   p.meta = metadata.const_data_ptr<int>();
-  p.part_out = partial_out.mutable_data_ptr<float>();
+  p.part_out = partial_out.mutable_data_ptr();  // float32 or 16-bit: the entry point checks which
   p.part_lse = partial_lse.mutable_data_ptr<float>();
   p.out = out.data_ptr();
   p.lse = lse.mutable_data_ptr<float>();

@@ -9,8 +9,29 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+
+// The dense decode kernels write split partial O in the output's dtype (bf16 / fp16), half the
+// bytes of float32 (splitkv/partials.cuh), and the wgmma kernel stages them through shared
+// memory for 16-byte stores (wgmma/staged_rows.cuh): 2, the default (H100, 2026-11-26: 1.5 to
+// 11 us faster than float32 per batch-1 call, docs/notes/2026-11-26-dense-partials-bf16.md).
+// Comparison builds (MLA_BACKEND_NVCC_FLAGS=-DMLA_BACKEND_16BIT_PARTIALS=N): 1 stores 16-bit
+// partials from the accumulators, 0 writes float32. The op dense_partial_bytes tells Python
+// which width a build writes.
+#ifndef MLA_BACKEND_16BIT_PARTIALS
+#define MLA_BACKEND_16BIT_PARTIALS 2
+#endif
 
 namespace mla_backend::splitkv {
+
+constexpr bool kDense16BitPartials = MLA_BACKEND_16BIT_PARTIALS != 0;
+constexpr bool kStagedPartials = MLA_BACKEND_16BIT_PARTIALS == 2;
+
+// The partial O element type of the dense decode kernels whose output type is T: float32, or
+// T itself with 16-bit partials. The sparse kernels write float32 partials in every build;
+// partial lse is float32 everywhere.
+template <typename T>
+using DensePartial = std::conditional_t<kDense16BitPartials, T, float>;
 
 // Tokens per work unit: the mma.sync kernel (16-row tiles) and the wgmma kernels.
 constexpr int kUnitMma = 32;
@@ -29,7 +50,7 @@ struct DecodeParams {
   int max_blocks;
   const int* seq_lens;
   const int* meta;  // the plan: P[0..batch] (first unit of each request), U at [batch + 1]
-  float* part_out;  // [2C][rows][512]
+  void* part_out;   // [2C][rows][512] float32 (dense kernels: DensePartial<T>, partials.cuh)
   float* part_lse;  // [2C][rows]
   void* out;        // [batch][rows][512]
   float* lse;       // [batch][rows]

@@ -5,6 +5,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include <cstddef>
+#include <type_traits>
 
 #include "common/mla_shapes.h"
 #include "splitkv/params.h"
@@ -49,6 +50,10 @@ constexpr int kSplitProducerRegs = 504 - kSplitWg0Regs - kSplitWg1Regs;
 constexpr float kNoMax = -1e30f;  // running-max start: finite, so no inf - inf
 
 template <KeySource kSrc> constexpr bool kSparseOf = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;
+// the partial O element type with output type T: the dense kernels' (splitkv::DensePartial),
+// float32 for the sparse sources
+template <typename T, KeySource kSrc>
+using PartialOf = std::conditional_t<kSparseOf<kSrc>, float, splitkv::DensePartial<T>>;
 // every source but kPagedTma has a producer warpgroup that fills the K buffers
 template <KeySource kSrc> constexpr bool kProducedOf = kSrc != KeySource::kPagedTma;
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;

@@ -33,11 +33,13 @@
 #include "common/convert.cuh"
 #include "common/mla_shapes.h"
 #include "common/ptx.cuh"
+#include "splitkv/partials.cuh"
 #include "splitkv/schedule.cuh"
 #include "wgmma/config.cuh"
 #include "wgmma/consumer_steps.cuh"
 #include "wgmma/gmma.cuh"
 #include "wgmma/smem_layout.cuh"
+#include "wgmma/staged_rows.cuh"
 #include "wgmma/tensor_map.h"
 #include "wgmma/timeline.cuh"
 
@@ -546,6 +548,18 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + row0 + m) * kDv + unit * 8) = val;
       }
       cutlass::arch::fence_view_async_shared();  // sQ: generic accesses here, the next piece's Q by TMA
+    } else if (!kSparse && splitkv::kStagedPartials && split) {  // 16-bit partials through sQ (free too)
+      const int64_t prow0 = (int64_t(cta) * 2 + slot) * p.rows + row0;
+      float inv_l[2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        inv_l[hr] = lt[hr] != 0.f ? kv_scale / lt[hr] : 0.f;  // kv_scale: O = kv_scale * P.v8
+        const int row = row0 + wrow + hr * 8;
+        if (wg == 0 && qd == 0 && row < p.rows)
+          p.part_lse[prow0 + wrow + hr * 8] = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
+      }
+      store_rows_staged(o, inv_l, smem, base, sQ, wg, wtid, lane, static_cast<T*>(p.part_out) + prow0 * kDv,
+                        p.rows - row0, consumers_sync);
     } else {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -563,12 +577,10 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         if (wg == 0 && qd == 0) p.lse[int64_t(r) * p.rows + row] = lse_row;
       } else {
         const int64_t prow = (int64_t(cta) * 2 + slot) * p.rows + row;
-        float* po = p.part_out + prow * kDv + wg * 256;
+        PartialOf<T, kSrc>* po = static_cast<PartialOf<T, kSrc>*>(p.part_out) + prow * kDv + wg * 256;
 #pragma unroll
-        for (int n = 0; n < 32; ++n) {
-          *reinterpret_cast<float2*>(po + n * 8 + qd * 2) =
-              make_float2(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
-        }
+        for (int n = 0; n < 32; ++n)
+          splitkv::store_partial2(po + n * 8 + qd * 2, o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
         if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
       }
     }

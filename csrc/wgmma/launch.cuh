@@ -29,7 +29,7 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   const bool co_place = kSrc == KeySource::kSparse16 && grid.y == 2;
   launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired || co_place ? 2 : 1, p, kv_map,
                        q_maps);
-  if (combine) splitkv::launch_combine<T>(p, stream);
+  if (combine) splitkv::launch_combine<T, PartialOf<T, kSrc>>(p, stream);
 }
 
 }  // namespace mla_backend::wgmma

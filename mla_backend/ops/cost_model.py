@@ -29,9 +29,11 @@ SPLIT_US_PER_MB = 0.69
 BF16_UNIT_US = 2.0
 
 
-def _min_units(unit_tokens: int) -> int:
-    """The least work of one CTA, in units of unit_tokens keys."""
-    return -(-MIN_TOKENS_PER_CTA // unit_tokens)
+def _min_units(unit_tokens: int, min_tokens: int | None = None) -> int:
+    """The least work of one CTA, in units of unit_tokens keys: min_tokens keys (None:
+    MIN_TOKENS_PER_CTA, read at each call) rounded up to whole units."""
+    tokens = MIN_TOKENS_PER_CTA if min_tokens is None else min_tokens
+    return -(-tokens // unit_tokens)
 
 
 def _whole_requests_floor(groups: int, units_per_req: int, num_ctas: int, min_units: int,

@@ -42,7 +42,9 @@ class DecodePlan:
     per CTA. CTA c of a grid of num_ctas processes units [c * U, (c + 1) * U): the schedule
     is a closed form of P and U, so the planner is one small kernel with no host sync.
     partial_out / partial_lse hold the results of requests that span CTAs (two slots per
-    CTA: its first and its last request) until the combine kernel merges them.
+    CTA: its first and its last request) until the combine kernel merges them; partial_out
+    is float32, or bfloat16 where the extension writes 16-bit partials (_partial_dtype),
+    partial_lse float32.
     All tensors can be kept across steps: plan_decode(..., out=plan) refills them in place
     (what a CUDA graph needs).
     """
@@ -139,16 +141,39 @@ class DecodeWorkspace:
         return plan
 
 
+_partial_bytes: list[int] = []  # the loaded extension's dense_partial_bytes(), once read
+
+
+def _partial_dtype(op: str) -> torch.dtype:
+    """The dtype of a workspace's partial_out: a 16-bit buffer where the loaded extension's
+    dense kernels write split partials in q's dtype (the default build; bfloat16, which
+    mla_decode views as q's dtype), float32 for a build with -DMLA_BACKEND_16BIT_PARTIALS=0. The kernel entry refuses any other, so a plan and a build cannot disagree. op:
+    the public op asking, named if the extension is missing."""
+    _extension.require(op)
+    if not _partial_bytes:
+        _partial_bytes.append(int(torch.ops.mla_backend.dense_partial_bytes()))
+    return torch.bfloat16 if _partial_bytes[0] == 2 else torch.float32
+
+
+def _partials_as(partial_out: torch.Tensor, q_dtype: torch.dtype) -> torch.Tensor:
+    """partial_out as the kernels take it: float32 as it is, 16-bit viewed as q's dtype."""
+    if partial_out.dtype in (torch.float32, q_dtype):
+        return partial_out
+    return partial_out.view(q_dtype)
+
+
 def _workspace(max_batch: int, q_tokens: range | list[int], num_heads: int, kv_fp8: bool,
-               device: torch.device, num_sms: int) -> DecodeWorkspace:
-    """Buffers for every plan with batch <= max_batch and s_q in q_tokens."""
+               device: torch.device, num_sms: int, op: str) -> DecodeWorkspace:
+    """Buffers for every plan with batch <= max_batch and s_q in q_tokens (op: the public op
+    allocating them, named if the extension is missing)."""
+    part_dtype = _partial_dtype(op)
     part_rows = max(2 * _grid(s_q * num_heads, num_sms)[2] * s_q * num_heads
                     for s_q in q_tokens)
     return DecodeWorkspace(
         max_batch=max_batch, max_q_tokens_per_req=max(q_tokens), num_heads=num_heads,
         kv_fp8=kv_fp8, num_sms=num_sms,
         metadata=torch.zeros(max_batch + 2, dtype=torch.int32, device=device),
-        partial_out=torch.empty(part_rows * D_V, dtype=torch.float32, device=device),
+        partial_out=torch.empty(part_rows * D_V, dtype=part_dtype, device=device),
         partial_lse=torch.empty(part_rows, dtype=torch.float32, device=device), plans={})
 
 
@@ -158,7 +183,8 @@ def decode_workspace(max_batch: int, max_q_tokens_per_req: int, num_heads: int, 
     """Allocate the buffers of every plan with batch <= max_batch, s_q <= max_q_tokens_per_req,
     num_heads heads and this cache dtype (None or 16-bit: the 16-bit kernels;
     torch.float8_e4m3fn: the fp8 kernel). Size: (max_batch + 2) int32 plus the split
-    partials, at most about 35 MB (H = 128) on a 132-SM GPU."""
+    partials, at most about 35 MB (H = 128) on a 132-SM GPU (half with 16-bit partials).
+    Needs the CUDA extension (its build decides the partials' dtype)."""
     if not (isinstance(max_batch, int) and max_batch >= 1):
         raise ValueError(f"max_batch must be a positive int; got {max_batch!r}")
     _check_plan_sizes(max_q_tokens_per_req, num_heads, kv_cache_dtype)
@@ -167,18 +193,25 @@ def decode_workspace(max_batch: int, max_q_tokens_per_req: int, num_heads: int, 
         raise ValueError(f"device must be a CUDA device; got {device}")
     sms = num_sms if num_sms is not None else _num_sms(device)
     return _workspace(max_batch, range(1, max_q_tokens_per_req + 1), num_heads,
-                      kv_cache_dtype == torch.float8_e4m3fn, device, sms)
+                      kv_cache_dtype == torch.float8_e4m3fn, device, sms, "decode_workspace")
 
 
 def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: int, *,
                 kv_cache_dtype: torch.dtype | None = None, num_sms: int | None = None,
                 out: DecodePlan | None = None,
-                workspace: DecodeWorkspace | None = None) -> DecodePlan:
+                workspace: DecodeWorkspace | None = None,
+                _min_tokens_per_cta: int | None = None) -> DecodePlan:
     """Plan one decode step: seq_lens int32 [B] on the GPU (no host sync); s_q query tokens
     per request; num_heads query heads; kv_cache_dtype the cache's dtype (None: q's;
     torch.float8_e4m3fn selects the fp8 kernel). Pass `out` (an earlier plan of the same
     B, s_q, H and cache dtype) to refill its buffers in place, or `workspace` (from
-    decode_workspace) to plan into caller-owned buffers shared by all batch sizes."""
+    decode_workspace) to plan into caller-owned buffers shared by all batch sizes.
+    _min_tokens_per_cta (benchmarks and tests only) replaces the least work of one CTA,
+    cost_model.MIN_TOKENS_PER_CTA keys, for this plan."""
+    if _min_tokens_per_cta is not None and not (isinstance(_min_tokens_per_cta, int)
+                                                and _min_tokens_per_cta >= 1):
+        raise ValueError(f"_min_tokens_per_cta must be a positive int; got "
+                         f"{_min_tokens_per_cta!r}")
     seq_lens = _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype)
     if out is not None and workspace is not None:
         raise ValueError("pass at most one of out and workspace")
@@ -209,10 +242,10 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
         plan = ws.plan_view(batch, num_q_tokens_per_req)
     else:  # a plan with buffers of its own: a workspace for exactly this step
         sms = num_sms if num_sms is not None else _num_sms(device)
-        plan = _workspace(batch, [num_q_tokens_per_req], num_heads, kv_fp8, device,
-                          sms).plan_view(batch, num_q_tokens_per_req)
+        plan = _workspace(batch, [num_q_tokens_per_req], num_heads, kv_fp8, device, sms,
+                          "plan_decode").plan_view(batch, num_q_tokens_per_req)
     _extension.require("plan_decode")
-    min_units = _min_units(plan.unit_tokens)
+    min_units = _min_units(plan.unit_tokens, _min_tokens_per_cta)
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
                                       plan.unit_tokens)
     return plan
@@ -329,8 +362,9 @@ def mla_decode(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: to
     _require_hopper("mla_decode", q.device)
     out, lse = _out_and_lse(q, out, lse)
     torch.ops.mla_backend.mla_decode(
-        q, q_pe, kv_cache, block_table, seq_lens, plan.metadata, plan.partial_out, plan.partial_lse,
-        out, lse, plan.num_ctas, plan.rows_per_cta, float(softmax_scale), bool(causal),
+        q, q_pe, kv_cache, block_table, seq_lens, plan.metadata,
+        _partials_as(plan.partial_out, q.dtype), plan.partial_lse, out, lse, plan.num_ctas,
+        plan.rows_per_cta, float(softmax_scale), bool(causal),
         kv_scale if isinstance(kv_scale, torch.Tensor) else None,
         float(kv_scale) if kv_scale is not None and not isinstance(kv_scale, torch.Tensor)
         else 1.0)

@@ -190,3 +190,18 @@ def test_a_step_that_cannot_be_captured_gives_per_layer_equal_to_per_call(stand_
     assert row.us["ours"] == 13.0 and row.us_per_layer["ours"] == 13.0
     assert "ours" not in row.us_kernel_only and "ours" not in row.us_kernel_only_rounds
     assert "capture" in row.notes["ours"]
+
+
+def test_min_tokens_per_cta_is_a_bench_option_recorded_in_the_results(tmp_path):
+    assert dd.parse_args([]).min_tokens_per_cta is None
+    args = dd.parse_args(["--min-tokens-per-cta", "256", "--batch", "1", "--peers="])
+    assert args.min_tokens_per_cta == 256 and args.kernels == ["ours"]
+    with pytest.raises(SystemExit):
+        dd.parse_args(["--min-tokens-per-cta", "0"])
+    path = tmp_path / "dense.json"
+    for value in (None, 256):
+        doc = common.write_results(path, job=dd.JOB, gpu="test", date="2026-11-26", commit="x",
+                                   copy_bw_gbs=None, rows=[],
+                                   extra=dd.results_extra(["ours"], dd.PER_STEP_METADATA, value))
+        assert json.loads(path.read_text())["min_tokens_per_cta"] == value == \
+            doc["min_tokens_per_cta"]

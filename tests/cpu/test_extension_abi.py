@@ -23,6 +23,7 @@ from mla_backend._sources import sources_sha256
 
 # The schemas mla_backend/ops/*.py call (csrc/torch_bindings.cpp registers them)
 SCHEMAS = {
+    "dense_partial_bytes": "mla_backend::dense_partial_bytes() -> int",
     "mla_decode": (
         "mla_backend::mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
         "Tensor metadata, Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, "
@@ -71,10 +72,53 @@ def test_registers_every_op_with_its_schema(so_path):
     assert _extension.registered_schemas() == SCHEMAS
 
 
+# ops with no tensor argument (build constants): one kernel for every device
+CONSTANTS = {"dense_partial_bytes"}
+
+
 def test_every_op_has_a_cuda_kernel(so_path):
-    for name in SCHEMAS:
+    for name in SCHEMAS.keys() - CONSTANTS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mla_backend::{name}", "CUDA"), name
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"mla_backend::{name}", "CPU")
+    for name in CONSTANTS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mla_backend::{name}",
+                                                              "CompositeExplicitAutograd"), name
+
+
+def test_dense_partial_bytes_sets_the_workspace_dtype(so_path):
+    """The build says how wide its dense split partials are (2: q's dtype by default, 4: float32
+    under -DMLA_BACKEND_16BIT_PARTIALS=0), and the workspaces mla_backend.ops allocates follow
+    it."""
+    from mla_backend.ops import dense
+
+    width = torch.ops.mla_backend.dense_partial_bytes()
+    assert width in (2, 4)
+    assert dense._partial_dtype("decode_workspace").itemsize == width
+
+
+def _dense_call(partial_dtype, q_dtype=torch.bfloat16):
+    """mla_decode's arguments, valid up to partial_out's dtype (H 16, s_q 1, batch 2)."""
+    return (torch.zeros(2, 1, 16, 576, dtype=q_dtype), None, torch.zeros(3, 64, 576, dtype=q_dtype),
+            _i32(2, 3), _i32(2), _i32(4), torch.zeros(8, 16, 512, dtype=partial_dtype),
+            _f32(8, 16), torch.zeros(2, 1, 16, 512, dtype=q_dtype), _f32(2, 1, 16), 4, 16, 0.1,
+            True, None, 1.0)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_mla_decode_refuses_partials_of_another_width(so_path, q_dtype):
+    """A plan whose partial_out is not what this build writes is an error naming both, never
+    a buffer read as the other type."""
+    sixteen = torch.ops.mla_backend.dense_partial_bytes() == 2
+    wrong = [torch.float32] if sixteen else [q_dtype, torch.bfloat16, torch.float16]
+    if sixteen:  # the other 16-bit type is wrong too
+        wrong.append(torch.float16 if q_dtype == torch.bfloat16 else torch.bfloat16)
+    want = {torch.float32: "Float", torch.bfloat16: "BFloat16", torch.float16: "Half"}
+    right = q_dtype if sixteen else torch.float32
+    for dtype in wrong:
+        with pytest.raises(RuntimeError, match=re.escape(
+                f"mla_decode: partial_out must be {want[right]}: this build writes ")) as e:
+            _call_cuda_kernel("mla_decode", *_dense_call(dtype, q_dtype))
+        assert f"; got {want[dtype]}" in str(e.value)
 
 
 def _call_cuda_kernel(name: str, *args):

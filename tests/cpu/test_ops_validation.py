@@ -116,6 +116,10 @@ def test_plan_decode_rejects():
         ops.plan_decode(torch.zeros(3, dtype=torch.int32), 1, 16)
     with pytest.raises(ValueError, match="seq_lens must be a contiguous 1-D int32"):
         ops.plan_decode(torch.zeros(6, dtype=torch.int32)[::2], 1, 16)
+    for bad in (0, 128.0):
+        with pytest.raises(ValueError, match=f"_min_tokens_per_cta must be a positive int; "
+                                             f"got {bad}"):
+            ops.plan_decode(torch.zeros(3, dtype=torch.int32), 1, 16, _min_tokens_per_cta=bad)
 
 
 def test_decode_workspace_rejects():

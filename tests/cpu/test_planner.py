@@ -57,3 +57,68 @@ def test_units_per_cta_balances_and_respects_minimum():
     meta = ref.plan_decode_metadata(seq, 132, 4)
     assert int(meta[-1]) == -(-128 * 128 // 132)
     assert int(ref.plan_decode_metadata(torch.tensor([64], dtype=torch.int32), 132, 4)[-1]) == 4
+
+
+# ---- the split minimum and the workspace's partial buffers (mla_backend.ops.dense)
+
+def test_min_units_rounds_up_and_reads_the_minimum_at_call_time(monkeypatch):
+    from mla_backend.ops import cost_model
+
+    assert cost_model._min_units(64) == -(-cost_model.MIN_TOKENS_PER_CTA // 64)
+    assert [cost_model._min_units(u, 256) for u in (32, 64)] == [8, 4]
+    assert [cost_model._min_units(u, 100) for u in (32, 64)] == [4, 2]
+    monkeypatch.setattr(cost_model, "MIN_TOKENS_PER_CTA", 512)
+    assert [cost_model._min_units(u) for u in (32, 64)] == [16, 8]
+
+
+@pytest.fixture
+def partial_width(monkeypatch):
+    """Stand in for the extension's dense_partial_bytes (2 or 4) without loading it."""
+    from mla_backend import _extension
+    from mla_backend.ops import dense
+
+    monkeypatch.setattr(_extension, "require", lambda op: None)
+
+    def set_width(width: int) -> None:
+        monkeypatch.setattr(dense, "_partial_bytes", [width])
+    return set_width
+
+
+@pytest.mark.parametrize("width,dtype", [(4, torch.float32), (2, torch.bfloat16)])
+def test_workspace_partials_follow_the_build(partial_width, width, dtype):
+    from mla_backend.ops import dense
+
+    partial_width(width)
+    ws = dense._workspace(8, range(1, 3), 128, False, torch.device("cpu"), 132, "decode_workspace")
+    # s_q 2 x H 128: 4 tiles of 64 rows, 33 CTAs, two partial slots each; s_q 1: 66 CTAs
+    rows = max(2 * 66 * 128, 2 * 33 * 256)
+    assert ws.partial_out.dtype == dtype and ws.partial_out.numel() == rows * 512
+    assert ws.partial_lse.dtype == torch.float32 and ws.partial_lse.numel() == rows
+    plan = ws.plan_view(8, 2)
+    assert plan.partial_out.shape == (66, 256, 512) and plan.partial_out.dtype == dtype
+    assert plan.partial_out.data_ptr() == ws.partial_out.data_ptr()
+
+
+def test_partials_reach_the_kernel_in_q_dtype():
+    from mla_backend.ops import dense
+
+    f32 = torch.zeros(2, 16, 512)
+    b16 = torch.zeros(2, 16, 512, dtype=torch.bfloat16)
+    assert dense._partials_as(f32, torch.float16) is f32  # float32 partials: as they are
+    assert dense._partials_as(b16, torch.bfloat16) is b16
+    as_half = dense._partials_as(b16, torch.float16)  # 16-bit ones: the same bytes as q's dtype
+    assert as_half.dtype == torch.float16 and as_half.data_ptr() == b16.data_ptr()
+    assert as_half.shape == b16.shape
+
+
+def test_decode_workspace_needs_the_extension_and_says_so(monkeypatch, tmp_path):
+    from mla_backend import _extension, ops
+    from mla_backend.ops import dense
+
+    monkeypatch.setitem(_extension._state, "loaded", False)
+    monkeypatch.setitem(_extension._state, "error", None)
+    monkeypatch.setenv("MLA_BACKEND_EXTENSION", str(tmp_path / "missing_C.abi3.so"))
+    monkeypatch.setattr(dense, "_partial_bytes", [])
+    with pytest.raises(_extension.ExtensionNotBuiltError,
+                       match="mla_backend.ops.decode_workspace needs the CUDA extension"):
+        ops.decode_workspace(4, 1, 16, device="cuda", num_sms=132)

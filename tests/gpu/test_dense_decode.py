@@ -147,6 +147,28 @@ def test_single_long_request_many_splits():
     assert int(meta[-1]) * plan.num_ctas >= int(meta[-2]) > int(meta[-1])  # really split
 
 
+def _splits(plan) -> int:
+    """CTAs holding a piece of the plan's requests (batch 1: the request's splits)."""
+    meta = plan.metadata.cpu().tolist()
+    return -(-meta[-2] // meta[-1])
+
+
+# batch 1 at 16k keys: every CTA holds a split, whose partials (q's dtype, or float32 in a
+# build with -DMLA_BACKEND_16BIT_PARTIALS=0: torch.ops.mla_backend.dense_partial_bytes())
+# the combine merges; the same per-row tolerance in every build
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,s_q", [(16, 1), (64, 1), (64, 2), (128, 1), (128, 2)])
+def test_batch_one_long_context_splits_over_every_cta(heads, s_q, dtype):
+    plan = _check([16384], s_q, heads, dtype=dtype)
+    # 132 SMs: 128, 128, 64, 64 and 32 splits (128 keys per CTA, or one wave of CTAs)
+    assert _splits(plan) >= 24
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_fp8_cache_batch_one_long_context_splits(heads):
+    _check_fp8([16384], 1, heads)
+
+
 def test_large_scale_sharp_softmax():
     _check([300, 2000], 1, 32, scale=0.5)
 
