@@ -69,6 +69,26 @@ def _kernel_spy(monkeypatch, op, heads=H):
     return calls
 
 
+def _mla_layer(impl, kv_cache_dtype: str, g: torch.Generator):
+    """What MLAAttention.forward_impl reads of its layer: H heads with random up-projections
+    drawn from g, vLLM's own _v_up_proj, and impl as the layer's backend impl."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    w_uk_t = (torch.randn(H, 128, 512, generator=g) / 16).to(torch.bfloat16)
+    w_uv = (torch.randn(H, 512, 128, generator=g) / 16).to(torch.bfloat16)
+    layer = types.SimpleNamespace(
+        num_heads=H, v_head_dim=128, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, q_pad_num_heads=None, is_aiter_triton_fp4_bmm_enabled=False,
+        is_aiter_triton_fp8_bmm_enabled=False, is_amx_bmm_enabled=False, impl=impl,
+        kv_cache_dtype=kv_cache_dtype, use_pcp=False, W_UK_T=w_uk_t, W_UK_T_dcp_qrep=None,
+        W_UV=w_uv, _k_scale=torch.tensor(1.0), prefill_backend=None, dcp_manager=None,
+        chunked_prefill_workspace_size=64)
+    layer._v_up_proj = types.MethodType(MLAAttention._v_up_proj, layer)
+    if impl.dcp_world_size == -1:  # vLLM 0.25 asks the DCP group at the first forward
+        impl.dcp_world_size = 1
+    return layer
+
+
 def _dense_impl(cfg, kv_cache_dtype="auto"):
     from mla_backend.vllm.dense import MLADenseBackend
 
@@ -157,18 +177,7 @@ def test_dense_layer_forward_through_vllm(tmp_path, monkeypatch, kv):
                                                 torch.device("cpu"))
     md = builder.build(0, common([1, 1, 1], [40, 130, 7]))
     g = torch.Generator().manual_seed(1)
-    w_uk_t = (torch.randn(H, 128, 512, generator=g) / 16).to(torch.bfloat16)
-    w_uv = (torch.randn(H, 512, 128, generator=g) / 16).to(torch.bfloat16)
-    layer = types.SimpleNamespace(
-        num_heads=H, v_head_dim=128, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, q_pad_num_heads=None, is_aiter_triton_fp4_bmm_enabled=False,
-        is_aiter_triton_fp8_bmm_enabled=False, is_amx_bmm_enabled=False,
-        impl=_dense_impl(cfg, kv), kv_cache_dtype=kv, use_pcp=False, W_UK_T=w_uk_t,
-        W_UK_T_dcp_qrep=None, W_UV=w_uv, _k_scale=torch.tensor(1.0), prefill_backend=None,
-        dcp_manager=None, chunked_prefill_workspace_size=64)
-    layer._v_up_proj = types.MethodType(MLAAttention._v_up_proj, layer)
-    if layer.impl.dcp_world_size == -1:  # vLLM 0.25 asks the DCP group at the first forward
-        layer.impl.dcp_world_size = 1
+    layer = _mla_layer(_dense_impl(cfg, kv), kv, g)
     q = torch.randn(3, H, 192, generator=g).to(torch.bfloat16)
     cache = torch.zeros(24, 64, 576, dtype=torch.uint8 if kv == "fp8" else torch.bfloat16)
     output = torch.full((3, H * 128), float("nan"), dtype=torch.bfloat16)
@@ -178,7 +187,7 @@ def test_dense_layer_forward_through_vllm(tmp_path, monkeypatch, kv):
     (kq, kv_cache, args, kwargs), = calls
     kq_nope, kq_pe = kq  # the two parts, as the layer made them (no copy joins them)
     assert kq_nope.shape == (3, 1, H, 512) and kq_pe.shape == (3, 1, H, 64)
-    ql_nope = torch.bmm(q[..., :128].transpose(0, 1), w_uk_t).transpose(0, 1)
+    ql_nope = torch.bmm(q[..., :128].transpose(0, 1), layer.W_UK_T).transpose(0, 1)
     assert torch.equal(kq_nope[:, 0], ql_nope)
     assert torch.equal(kq_pe[:, 0], q[..., 128:])
     assert kq_pe.data_ptr() == q[..., 128:].data_ptr()
@@ -187,7 +196,7 @@ def test_dense_layer_forward_through_vllm(tmp_path, monkeypatch, kv):
     assert kv_cache.data_ptr() == cache.data_ptr()
     tag = 64 * torch.arange(3)[:, None] + torch.arange(H)[None, :]
     attn = tag[..., None].expand(3, H, 512).to(torch.bfloat16)
-    expect = torch.bmm(attn.transpose(0, 1), w_uv).transpose(0, 1).reshape(3, H * 128)
+    expect = torch.bmm(attn.transpose(0, 1), layer.W_UV).transpose(0, 1).reshape(3, H * 128)
     assert torch.equal(output, expect)
 
 
@@ -363,18 +372,7 @@ def test_sparse_layer_forward_through_vllm(tmp_path, monkeypatch):
         impl.prepare_for_batch(md)
         impl.record_logical_topk_ready()
     g = torch.Generator().manual_seed(2)
-    w_uk_t = (torch.randn(H, 128, 512, generator=g) / 16).to(torch.bfloat16)
-    w_uv = (torch.randn(H, 512, 128, generator=g) / 16).to(torch.bfloat16)
-    layer = types.SimpleNamespace(
-        num_heads=H, v_head_dim=128, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, q_pad_num_heads=None, is_aiter_triton_fp4_bmm_enabled=False,
-        is_aiter_triton_fp8_bmm_enabled=False, is_amx_bmm_enabled=False, impl=impl,
-        kv_cache_dtype="auto", use_pcp=False, W_UK_T=w_uk_t, W_UK_T_dcp_qrep=None, W_UV=w_uv,
-        _k_scale=torch.tensor(1.0), prefill_backend=None, dcp_manager=None,
-        chunked_prefill_workspace_size=64)
-    layer._v_up_proj = types.MethodType(MLAAttention._v_up_proj, layer)
-    if impl.dcp_world_size == -1:  # vLLM 0.25 asks the DCP group at the first forward
-        impl.dcp_world_size = 1
+    layer = _mla_layer(impl, "auto", g)
     q = torch.randn(2, H, 192, generator=g).to(torch.bfloat16)
     cache = torch.zeros(24, 64, 576, dtype=torch.bfloat16)
     output = torch.full((2, H * 128), float("nan"), dtype=torch.bfloat16)
@@ -384,11 +382,11 @@ def test_sparse_layer_forward_through_vllm(tmp_path, monkeypatch):
     (kq, *_), = calls
     kq_nope, kq_pe = kq
     assert kq_nope.shape == (2, 1, H, 512) and kq_pe.shape == (2, 1, H, 64)
-    ql_nope = torch.bmm(q[..., :128].transpose(0, 1), w_uk_t).transpose(0, 1)
+    ql_nope = torch.bmm(q[..., :128].transpose(0, 1), layer.W_UK_T).transpose(0, 1)
     assert torch.equal(kq_nope[:, 0], ql_nope)
     assert torch.equal(kq_pe[:, 0], q[..., 128:])
     assert kq_pe.data_ptr() == q[..., 128:].data_ptr()
     tag = 64 * torch.arange(2)[:, None] + torch.arange(H)[None, :]
     attn = tag[..., None].expand(2, H, 512).to(torch.bfloat16)
-    expect = torch.bmm(attn.transpose(0, 1), w_uv).transpose(0, 1).reshape(2, H * 128)
+    expect = torch.bmm(attn.transpose(0, 1), layer.W_UV).transpose(0, 1).reshape(2, H * 128)
     assert torch.equal(output, expect)
