@@ -147,8 +147,9 @@ _partial_bytes: list[int] = []  # the loaded extension's dense_partial_bytes(), 
 def _partial_dtype(op: str) -> torch.dtype:
     """The dtype of a workspace's partial_out: a 16-bit buffer where the loaded extension's
     dense kernels write split partials in q's dtype (the default build; bfloat16, which
-    mla_decode views as q's dtype), float32 for a build with -DMLA_BACKEND_16BIT_PARTIALS=0. The kernel entry refuses any other, so a plan and a build cannot disagree. op:
-    the public op asking, named if the extension is missing."""
+    mla_decode views as q's dtype), float32 for a build with -DMLA_BACKEND_16BIT_PARTIALS=0.
+    The kernel entry refuses any other, so a plan and a build cannot disagree. op: the public
+    op asking, named if the extension is missing."""
     _extension.require(op)
     if not _partial_bytes:
         _partial_bytes.append(int(torch.ops.mla_backend.dense_partial_bytes()))
