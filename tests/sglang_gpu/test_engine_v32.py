@@ -2,9 +2,9 @@
 2 layers, 16 heads, mla_backend.demo.tiny_model) through sgl.Engine with decode CUDA graphs,
 on mla_backend and on SGLang's own `dsa` backend, each engine in a process of its own.
 
-Prompts of 1, 2040, 3000 and 5000 tokens in one batch with chunked prefill (1024): two prompts
+Prompts of 1, 2040, 2600 and 3800 tokens in one batch with chunked prefill (1024): two prompts
 whose keys all fit in the top-k (the 2040-token one outgrows it while it decodes) and two whose
-indexer really selects (3000 and 5000 keys for 2048 slots), prefill chunks that read the
+indexer really selects (2600 and 3800 keys for 2048 slots; the engines hold 4096), prefill chunks that read the
 context back, steps that mix prefills and decodes; 12 tokens each. index_topk is DeepSeek-V3.2's
 own, 2048: SGLang's top-k kernels (sgl-kernel, its default) take no other width.
 
@@ -45,7 +45,7 @@ from tests.sglang_gpu import engine_runs
 from tests.sglang_gpu.engine_runs import NAME, assert_not_uniform, check_close, tolerance
 
 pytestmark = pytest.mark.gpu
-PROMPT_LENS = [1, 2040, 3000, 5000]
+PROMPT_LENS = [1, 2040, 2600, 3800]
 HEADS = 16
 INDEX_TOPK = 2048  # sgl-kernel's fast_topk_* assert topk == 2048
 # SGLang's dsa backend with its kernels named, every prefill on them (FA3 is not in the kit)
