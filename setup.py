@@ -7,7 +7,10 @@ Env vars:
   MLA_BACKEND_CUTLASS_INCLUDE path to CUTLASS/CuTe headers (default: the nvidia-cutlass wheel)
   MLA_BACKEND_NVCC_FLAGS      extra nvcc flags, space-separated (experiment builds, e.g. -DNAME=1;
                               -DMLA_BACKEND_16BIT_PARTIALS=0 or 1: dense split partials in
-                              float32, or 16-bit unstaged; see csrc/splitkv/params.h)
+                              float32, or 16-bit unstaged; see csrc/splitkv/params.h;
+                              -DMLA_BACKEND_DENSE_P_STMATRIX=1: dense P stored by stmatrix;
+                              -DMLA_BACKEND_DENSE_KV_EVICT_FIRST=1: dense K/V TMA loads with an
+                              L2 evict-first hint; see csrc/wgmma/config.cuh)
   MAX_JOBS                    parallel nvcc jobs (ninja); default: number of CPUs
 """
 

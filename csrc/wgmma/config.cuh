@@ -10,6 +10,19 @@
 #include "common/mla_shapes.h"
 #include "splitkv/params.h"
 
+// Experiment builds of the dense sources (MLA_BACKEND_NVCC_FLAGS=-DNAME=1; 0, the default,
+// leaves the kernels as they are; docs/notes/2026-11-26-dense-p-stmatrix-evict-first.md):
+//   MLA_BACKEND_DENSE_P_STMATRIX=1     P goes to smem by stmatrix, as in the sparse kernels
+//                                      (Softmax::store_p), not by 16 scalar stores
+//   MLA_BACKEND_DENSE_KV_EVICT_FIRST=1 kPagedTma's K/V TMA loads carry an L2 evict-first hint
+//                                      (load_half in consumer.cuh)
+#ifndef MLA_BACKEND_DENSE_P_STMATRIX
+#define MLA_BACKEND_DENSE_P_STMATRIX 0
+#endif
+#ifndef MLA_BACKEND_DENSE_KV_EVICT_FIRST
+#define MLA_BACKEND_DENSE_KV_EVICT_FIRST 0
+#endif
+
 namespace mla_backend::wgmma {
 
 using splitkv::DecodeParams;
@@ -50,10 +63,15 @@ constexpr int kSplitProducerRegs = 504 - kSplitWg0Regs - kSplitWg1Regs;
 constexpr float kNoMax = -1e30f;  // running-max start: finite, so no inf - inf
 
 template <KeySource kSrc> constexpr bool kSparseOf = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;
+// P to smem by stmatrix (Softmax::store_p): the sparse sources; the dense ones in a
+// MLA_BACKEND_DENSE_P_STMATRIX build
+template <KeySource kSrc> constexpr bool kStmatrixPOf = kSparseOf<kSrc> || MLA_BACKEND_DENSE_P_STMATRIX != 0;
 // the partial O element type with output type T: the dense kernels' (splitkv::DensePartial),
 // float32 for the sparse sources
 template <typename T, KeySource kSrc>
 using PartialOf = std::conditional_t<kSparseOf<kSrc>, float, splitkv::DensePartial<T>>;
+// kPagedTma's K/V TMA loads with an L2 evict-first hint (a MLA_BACKEND_DENSE_KV_EVICT_FIRST build)
+constexpr bool kKvEvictFirst = MLA_BACKEND_DENSE_KV_EVICT_FIRST != 0;
 // every source but kPagedTma has a producer warpgroup that fills the K buffers
 template <KeySource kSrc> constexpr bool kProducedOf = kSrc != KeySource::kPagedTma;
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;

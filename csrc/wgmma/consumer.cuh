@@ -157,7 +157,13 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     for (int c = c0; c < c1; ++c) {
       const uint32_t bar = bars + (9 * b + c) * 8;
       ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(bar), kChunkBytes);
-      tma_load_3d(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, 0, blk, bar);
+      if constexpr (kKvEvictFirst) {  // CuTe's TMA load takes the hint as its cache-policy operand
+        cute::SM90_TMA_LOAD_3D::copy(&kv_map, smem_ptr<uint64_t>(bar),
+                                     static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST),
+                                     smem_ptr(sKbuf(b) + c * kChunkBytes), c * 64, 0, blk);
+      } else {
+        tma_load_3d(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, 0, blk, bar);
+      }
     }
   };
   // half h of buffer b is no longer read by this warpgroup (its wgmmas retired): kPagedTma,

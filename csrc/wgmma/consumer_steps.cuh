@@ -200,11 +200,11 @@ struct Softmax {
     }
   }
   __device__ __forceinline__ void store_p(uint32_t dst, const uint32_t (*pa)[4]) {
-    if constexpr (kSparse) {
+    if constexpr (kStmatrixPOf<kSrc>) {
       // one stmatrix per k16 step for its four 8x8 matrices (rows +0 / +8, columns +0 / +8:
       // the A-fragment order): lane l gives the address of row l % 16, columns 8 (l / 16).
       // 4 instructions instead of 16 scalar stores, on the path to the other warpgroup's PV
-      // (the dense kernels keep the scalar stores)
+      // (the dense kernels keep the scalar stores unless MLA_BACKEND_DENSE_P_STMATRIX)
       const int prow = (wtid >> 5) * 16 + (lane & 15);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
