@@ -10,7 +10,8 @@ Env vars:
                               float32, or 16-bit unstaged; see csrc/splitkv/params.h;
                               -DMLA_BACKEND_DENSE_P_STMATRIX=1: dense P stored by stmatrix;
                               -DMLA_BACKEND_DENSE_KV_EVICT_FIRST=1: dense K/V TMA loads with an
-                              L2 evict-first hint; see csrc/wgmma/config.cuh)
+                              L2 evict-first hint; -DMLA_BACKEND_DENSE_MTILE_FAST=1: the dense
+                              grid's fast index is the m-tile; see csrc/wgmma/config.cuh)
   MAX_JOBS                    parallel nvcc jobs (ninja); default: number of CPUs
 """
 

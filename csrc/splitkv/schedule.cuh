@@ -23,15 +23,20 @@ __device__ __forceinline__ int plan_units_per_cta(const DecodeParams& p) {
   return kMaybeUniform && p.uniform_units > 0 ? p.units_per_cta : __ldg(p.meta + p.batch + 1);
 }
 
-// This CTA's units [u_begin, u_end) under the plan (CTA blockIdx.x of every row tile takes
-// units [cU, cU + U)); false when it has none.
+// CTA c's units [u_begin, u_end) under the plan (CTA c of every row tile takes units
+// [cU, cU + U)); false when it has none.
 template <bool kMaybeUniform = false>
-__device__ __forceinline__ bool cta_units(const DecodeParams& p, int& u_begin, int& u_end, int& U) {
+__device__ __forceinline__ bool cta_units_of(const DecodeParams& p, int c, int& u_begin, int& u_end, int& U) {
   const int total = plan_start<kMaybeUniform>(p, p.batch);
   U = plan_units_per_cta<kMaybeUniform>(p);
-  u_begin = blockIdx.x * U;
+  u_begin = c * U;
   u_end = min(u_begin + U, total);
   return u_begin < total;
+}
+// the same for the CTA blockIdx.x
+template <bool kMaybeUniform = false>
+__device__ __forceinline__ bool cta_units(const DecodeParams& p, int& u_begin, int& u_end, int& U) {
+  return cta_units_of<kMaybeUniform>(p, int(blockIdx.x), u_begin, u_end, U);
 }
 
 // Request owning unit u: the last r with P[r] <= u (skips empty requests).

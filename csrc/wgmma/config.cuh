@@ -16,11 +16,17 @@
 //                                      (Softmax::store_p), not by 16 scalar stores
 //   MLA_BACKEND_DENSE_KV_EVICT_FIRST=1 kPagedTma's K/V TMA loads carry an L2 evict-first hint
 //                                      (load_half in consumer.cuh)
+//   MLA_BACKEND_DENSE_MTILE_FAST=1     the dense grid is (m-tiles, CTAs): the m-tile is the
+//                                      fast block index, so the CTAs that read the same units
+//                                      (one per 64-row m-tile) launch together (launch.cuh)
 #ifndef MLA_BACKEND_DENSE_P_STMATRIX
 #define MLA_BACKEND_DENSE_P_STMATRIX 0
 #endif
 #ifndef MLA_BACKEND_DENSE_KV_EVICT_FIRST
 #define MLA_BACKEND_DENSE_KV_EVICT_FIRST 0
+#endif
+#ifndef MLA_BACKEND_DENSE_MTILE_FAST
+#define MLA_BACKEND_DENSE_MTILE_FAST 0
 #endif
 
 namespace mla_backend::wgmma {
@@ -72,6 +78,9 @@ template <typename T, KeySource kSrc>
 using PartialOf = std::conditional_t<kSparseOf<kSrc>, float, splitkv::DensePartial<T>>;
 // kPagedTma's K/V TMA loads with an L2 evict-first hint (a MLA_BACKEND_DENSE_KV_EVICT_FIRST build)
 constexpr bool kKvEvictFirst = MLA_BACKEND_DENSE_KV_EVICT_FIRST != 0;
+// blockIdx.x is the m-tile and blockIdx.y the plan's CTA (a MLA_BACKEND_DENSE_MTILE_FAST build,
+// dense sources only: they launch no clusters); otherwise the other way round
+template <KeySource kSrc> constexpr bool kMtileFastOf = !kSparseOf<kSrc> && MLA_BACKEND_DENSE_MTILE_FAST != 0;
 // every source but kPagedTma has a producer warpgroup that fills the K buffers
 template <KeySource kSrc> constexpr bool kProducedOf = kSrc != KeySource::kPagedTma;
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;

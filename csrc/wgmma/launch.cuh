@@ -17,8 +17,12 @@ template <typename T, KeySource kSrc, bool kPaired, bool kPrefetch>
 void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine) {
   auto kernel = decode_wgmma_kernel<T, kSrc, kPaired, kPrefetch>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
-  dim3 grid(p.num_ctas, (p.rows + kRows - 1) / kRows);
-  STD_TORCH_CHECK(!kPaired || grid.y == 2, "mla_decode: a paired launch needs exactly two row tiles");
+  const int m_tiles = (p.rows + kRows - 1) / kRows;
+  // kMtileFastOf: the m-tile is the fast block index, so the m_tiles CTAs that read the same
+  // units launch one after another (block ids c * m_tiles + t, not t * num_ctas + c)
+  static_assert(!kMtileFastOf<kSrc> || !kPaired, "clusters group the row tiles along y");
+  const dim3 grid = kMtileFastOf<kSrc> ? dim3(m_tiles, p.num_ctas) : dim3(p.num_ctas, m_tiles);
+  STD_TORCH_CHECK(!kPaired || m_tiles == 2, "mla_decode: a paired launch needs exactly two row tiles");
   CUtensorMap kv_map{};  // the producer sources copy keys without a tensor map
   QMaps q_maps{};        // the dense sources copy Q without tensor maps
   if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
@@ -26,7 +30,7 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   // bf16 sparse with two row tiles: the tiles of a query group run as a 2-CTA cluster
   // although they share nothing, so the two CTAs that gather the same keys at about the same
   // time sit in one GPC (H = 128 -2 to -5%)
-  const bool co_place = kSrc == KeySource::kSparse16 && grid.y == 2;
+  const bool co_place = kSrc == KeySource::kSparse16 && m_tiles == 2;
   launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired || co_place ? 2 : 1, p, kv_map,
                        q_maps);
   if (combine) splitkv::launch_combine<T, PartialOf<T, kSrc>>(p, stream);
