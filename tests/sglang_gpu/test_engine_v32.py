@@ -89,12 +89,18 @@ def _assert_ours_ran(result: dict, cache: str) -> None:
     assert line in result["log"], line
 
 
-def test_e2e_v32_bf16_ours_matches_flashmla_sparse(v32):
+def _bf16_reference(v32) -> tuple[dict, float]:
+    """The bf16 cache's reference run and the rule's tolerance (its yardstick's spread)."""
     ref = v32.run("dsa-flashmla_sparse-bf16")
-    assert_not_uniform("v32-h16 bf16", ref)
     tol = tolerance("v32-h16 bf16: dsa flashmla_sparse vs flashmla_sparse prefill + flashmla_kv "
                     "decode (fp8-rounded keys in decode)", ref,
                     v32.run("dsa-flashmla_sparse-flashmla_kv-bf16"))
+    return ref, tol
+
+
+def test_e2e_v32_bf16_ours_matches_flashmla_sparse(v32):
+    ref, tol = _bf16_reference(v32)
+    assert_not_uniform("v32-h16 bf16", ref)
     ours = v32.run("mla_backend-bf16")
     _assert_ours_ran(ours, "bfloat16")
     check_close("v32-h16 bf16, decode graphs: mla_backend vs dsa flashmla_sparse", ours, ref,
@@ -115,10 +121,7 @@ def test_e2e_v32_fp8_ours_matches_flashmla_kv(v32):
 def test_negative_control_v32_rope_dropped(v32):
     # the bf16 rule must fail on a kernel that scores over the latent dims only
     # (`-k negative_control`: its own call; the references come from the run cache)
-    ref = v32.run("dsa-flashmla_sparse-bf16")
-    tol = tolerance("v32-h16 bf16: dsa flashmla_sparse vs flashmla_sparse prefill + flashmla_kv "
-                    "decode (fp8-rounded keys in decode)", ref,
-                    v32.run("dsa-flashmla_sparse-flashmla_kv-bf16"))
+    ref, tol = _bf16_reference(v32)
     engine_runs.check_fails("v32-h16 negative control: mla_backend eager with RoPE dropped vs "
                             "dsa flashmla_sparse", v32.run("mla_backend-bf16-eager-rope_dropped"),
                             ref, tol)
