@@ -170,10 +170,14 @@ def check(part_dir: str, prefix: str) -> int:
     import vllm.model_executor.models.deepseek_v2  # noqa: F401
     import vllm.v1.attention.backends.mla.flashmla  # noqa: F401
 
+    # the CuTe DSL's `cutlass` package, as scripts/gpu-vllm033 puts it on PYTHONPATH (the
+    # wheel's .pth file is not run for a PYTHONPATH entry)
+    sys.path.insert(1, os.path.join(prefix, "site", "nvidia_cutlass_dsl", "dsl_packages"))
     bad = 0
     for mod in ("vllm._C_stable_libtorch", "vllm._flashmla_C",
                 "vllm.vllm_flash_attn._vllm_fa3_C",
-                "vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl"):  # CuTe DSL, for V3.2
+                "vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl",  # CuTe DSL, for V3.2
+                "quack.compile_utils"):  # the CuTe DSL router GEMM's warmup
         try:
             importlib.import_module(mod)
             print(f"  {mod}: loaded")
