@@ -77,8 +77,12 @@ def vllm_refuses(backend: str, cache: str, vllm_version: str | None) -> str | No
 
 
 def _vllm_version() -> str | None:
+    return _version("vllm")
+
+
+def _version(package: str) -> str | None:
     try:
-        return metadata.version("vllm")
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
 
@@ -187,6 +191,7 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> common.BenchRow:
             continue
         t = res["timing"]
         row.us[key] = t["step_us"]
+        row.us_rounds[key] = list(t["step_us_all"])  # the repeats; `us` is their median
         tokens_per_s[key] = t["decode_tokens_per_s"]
         common.log(f"H={heads} {name}: {t['step_us']:.0f} us per step "
                    f"({t['decode_tokens_per_s']:.0f} tokens/s; all: "
@@ -243,6 +248,7 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="e2e_decode_")
     logs = args.logs or tmp.name
     os.makedirs(logs, exist_ok=True)
+    engine_version = f"{args.engine} {_version(args.engine)}, torch {_version('torch')}"
     rows = []
     for heads in args.heads:
         model = write_model(args, os.path.join(tmp.name, f"ds{args.arch}-h{heads}"), heads)
@@ -253,7 +259,8 @@ def main(argv=None) -> int:
             rows.append(e2e_sglang.time_row(args, model, config, logs))
         # after every row: a run cut short still leaves what it measured
         common.write_results(path, job="e2e_decode", gpu=gpu, date=date, commit=commit,
-                             copy_bw_gbs=None, rows=rows, extra={"engine": args.engine})
+                             copy_bw_gbs=None, rows=rows,
+                             extra={"engine": args.engine, "engine_version": engine_version})
     common.print_table(rows, list(args.backends), None)
     common.print_summary(rows)
     if args.engine == "sglang":

@@ -284,6 +284,8 @@ def test_vllm_v32_fp8_bench_skips_what_vllm_025_cannot_start(monkeypatch, tmp_pa
     (row,) = doc["rows"]
     assert row["config"]["arch"] == "v32" and row["config"]["kv_cache_dtype"] == "fp8_ds_mla"
     assert row["us"] == {"ours": 2000.0} and row["speedup_vs_best_peer"] is None
+    assert row["us_rounds"] == {"ours": [2000.0, 2100.0]}  # every repeat, for the spread
+    assert doc["engine_version"].startswith("vllm ")
     assert row["skipped"]["flashmla_sparse"].startswith("vLLM 0.25.0: FLASHMLA_SPARSE does not")
 
 
