@@ -11,7 +11,10 @@ Env vars:
                               -DMLA_BACKEND_DENSE_P_STMATRIX=1: dense P stored by stmatrix;
                               -DMLA_BACKEND_DENSE_KV_EVICT_FIRST=1: dense K/V TMA loads with an
                               L2 evict-first hint; -DMLA_BACKEND_DENSE_MTILE_FAST=1: the dense
-                              grid's fast index is the m-tile; see csrc/wgmma/config.cuh)
+                              grid's fast index is the m-tile; -DMLA_BACKEND_DENSE_MASK_FREE=1:
+                              the dense seesaw's pairs inside every row's key limit run without
+                              key tests, and the bf16/fp16 cache's softmax scale is applied in
+                              the exponent; see csrc/wgmma/config.cuh)
   MAX_JOBS                    parallel nvcc jobs (ninja); default: number of CPUs
 """
 

@@ -19,6 +19,10 @@
 //   MLA_BACKEND_DENSE_MTILE_FAST=1     the dense grid is (m-tiles, CTAs): the m-tile is the
 //                                      fast block index, so the CTAs that read the same units
 //                                      (one per 64-row m-tile) launch together (launch.cuh)
+//   MLA_BACKEND_DENSE_MASK_FREE=1      the seesaw runs the pairs of pages that lie inside every
+//                                      row's key limit without the per-key tests; kPagedTma also
+//                                      takes the row max on raw S and applies the softmax scale
+//                                      in the exponent, one FFMA a value (consumer.cuh, Softmax)
 #ifndef MLA_BACKEND_DENSE_P_STMATRIX
 #define MLA_BACKEND_DENSE_P_STMATRIX 0
 #endif
@@ -27,6 +31,9 @@
 #endif
 #ifndef MLA_BACKEND_DENSE_MTILE_FAST
 #define MLA_BACKEND_DENSE_MTILE_FAST 0
+#endif
+#ifndef MLA_BACKEND_DENSE_MASK_FREE
+#define MLA_BACKEND_DENSE_MASK_FREE 0
 #endif
 
 namespace mla_backend::wgmma {
@@ -81,6 +88,14 @@ constexpr bool kKvEvictFirst = MLA_BACKEND_DENSE_KV_EVICT_FIRST != 0;
 // blockIdx.x is the m-tile and blockIdx.y the plan's CTA (a MLA_BACKEND_DENSE_MTILE_FAST build,
 // dense sources only: they launch no clusters); otherwise the other way round
 template <KeySource kSrc> constexpr bool kMtileFastOf = !kSparseOf<kSrc> && MLA_BACKEND_DENSE_MTILE_FAST != 0;
+// The dense seesaw's pairs wholly inside every row's key limit run with no per-key test (a
+// MLA_BACKEND_DENSE_MASK_FREE build); the sparse sources keep their validity masks
+template <KeySource kSrc> constexpr bool kMaskFreeOf = !kSparseOf<kSrc> && MLA_BACKEND_DENSE_MASK_FREE != 0;
+// Row max on raw S, S * scale_log2 - m as one FFMA in the exponent (same build). kPagedTma
+// only: there the scale is the host-checked softmax scale (> 0, so the max of S * scale is
+// the max of S times scale, bit for bit); the fp8 source multiplies in kv_scale from device
+// memory, whose sign nothing checks
+template <KeySource kSrc> constexpr bool kFoldScaleOf = kSrc == KeySource::kPagedTma && MLA_BACKEND_DENSE_MASK_FREE != 0;
 // every source but kPagedTma has a producer warpgroup that fills the K buffers
 template <KeySource kSrc> constexpr bool kProducedOf = kSrc != KeySource::kPagedTma;
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;

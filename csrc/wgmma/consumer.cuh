@@ -383,7 +383,15 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     // warpgroup announces its max as soon as it is published, and warpgroup 1 takes its row
     // maxima before it waits: each wait sits on the chain that ends in K0 right's refill
     // (sparse prefill H = 128 -6% in cycles, dense decode up to -6.5%, against waits on both).
+    // Pair: page pa_ (warpgroup 0), pa_ + 1 (warpgroup 1); kMask = false: no key test. A lambda
+    // only where it is compiled twice (MLA_BACKEND_DENSE_MASK_FREE): it alone reorders the SASS
+#if MLA_BACKEND_DENSE_MASK_FREE
+    auto pair = [&](int pa_, auto mask_c) {
+      constexpr bool kMask = decltype(mask_c)::value;
+#else
     for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
+      constexpr bool kMask = true;
+#endif
       if (wtid == 0 && wg == 0) {
         const int k = 8 + (u - u_begin + pa_ - pg_begin) / 2;
         if (k < 56) TL(k);
@@ -399,7 +407,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       if (wg == 0) {
         // ---- softmax of page pa_ on top of the running max
         float rmax[2], m_new[2], scale0[2], rsum[2];
-        sx.mask_and_max(pa_ * kKeys, seq_len, rmax, 0);
+        sx.template mask_and_max<kMask>(pa_ * kKeys, seq_len, rmax, 0);
         sx.update_max(rmax, m_new, scale0, sScale0);
         named_arrive(kBarMax0, 256);
         {
@@ -418,7 +426,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         l_run[0] = l_run[0] * scale0[0] + rsum[0];
         l_run[1] = l_run[1] * scale0[1] + rsum[1];
         const int n_valid = pa_ < p.max_blocks ? min(kKeys, seq_len - pa_ * kKeys) : 0;
-        zero_tail(0, n_valid);
+        if (kMask) zero_tail(0, n_valid);
         uint32_t pfrag[4][4];
         const float one[2] = {1.f, 1.f};
         sx.pack_p(pfrag, one);
@@ -458,7 +466,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         fence_regs<32>(s);
       } else {
         float rmax[2], m_new[2], scale1[2], rsum[2] = {0.f, 0.f};
-        if (has_b) sx.mask_and_max(pb * kKeys, seq_len, rmax, 1);  // needs nothing of warpgroup 0's
+        if (has_b) sx.template mask_and_max<kMask>(pb * kKeys, seq_len, rmax, 1);  // needs nothing of warpgroup 0's
         named_sync(kBarMax0, 256);
         const float scale0[2] = {sScale0[wrow], sScale0[wrow + 8]};
         if (!has_b) rmax[0] = rmax[1] = -INFINITY;
@@ -471,7 +479,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         if (has_b) {
           sx.exponentiate(m_new, rsum);
           const int n_valid = pb < p.max_blocks ? min(kKeys, seq_len - pb * kKeys) : 0;
-          zero_tail(1, n_valid);
+          if (kMask) zero_tail(1, n_valid);
           const float one[2] = {1.f, 1.f};
           sx.pack_p(pfrag, one);
           sx.store_p(sP1, pfrag);
@@ -500,7 +508,19 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
           fence_regs<32>(s);
         }
       }
+#if MLA_BACKEND_DENSE_MASK_FREE
+    };
+    if constexpr (kMaskFreeOf<kSrc>) {  // the untested pairs, then those at the request end (<= 2)
+      int pa_ = pg_begin;
+      for (const int end = sx.untested_end(seq_len, pg_end); pa_ < end; pa_ += 2) pair(pa_, std::false_type{});
+#pragma unroll 1
+      for (; pa_ < pg_end; pa_ += 2) pair(pa_, std::true_type{});
+    } else {
+      for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) pair(pa_, std::true_type{});
     }
+#else
+    }
+#endif
 
     }  // seesaw schedule
 

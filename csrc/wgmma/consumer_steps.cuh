@@ -114,9 +114,14 @@ struct Softmax {
   const int& qd;
   const int& wtid;
   const int& lane;
+  static constexpr bool kFold = kFoldScaleOf<kSrc>;
   // scale S to the log2 domain and mask keys past each row's limit (dense) or not valid in
-  // the unit's mask (sparse: written by the producer with the fill); row maxima of this unit
+  // the unit's mask (sparse: written by the producer with the fill); row maxima of this unit,
+  // in the log2 domain. kMask = false (dense): every key is inside every row's limit, no test.
+  // kFold: S stays unscaled, its max is scaled (exponentiate applies the scale)
+  template <bool kMask = true>
   __device__ __forceinline__ void mask_and_max(int tok0, int seq_len, float* rmax, int mb) {  // mb: the unit's buffer
+    static_assert(kMask || !kSparse, "the sparse sources always test their validity masks");
     uint32_t valid[4];
     if constexpr (kSparse) {
 #pragma unroll
@@ -160,18 +165,27 @@ struct Softmax {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = n * 8 + qd * 2 + e;
-          const bool ok = kSparse ? (valid[key >> 4] >> (2 * (key & 15))) & 1 : tok0 + key < limit;
+          const bool ok = !kMask || (kSparse ? (valid[key >> 4] >> (2 * (key & 15))) & 1 : tok0 + key < limit);
           float& v = s[n * 4 + hr * 2 + e];
-          v = ok ? v * scale_log2 : -INFINITY;
+          if constexpr (kFold) v = ok ? v : -INFINITY;
+          else v = ok ? v * scale_log2 : -INFINITY;
           mx = fmaxf(mx, v);
         }
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      rmax[hr] = mx;
+      rmax[hr] = kFold ? mx * scale_log2 : mx;  // scale_log2 > 0: the max of the scaled values
     }
   }
-  // P = exp2(S - m) in place; row sums
+  // the end of the pairs of pages (pa_, pa_ + 1) from the piece's first that mask_and_max<false>
+  // may take: both pages inside every row's key limit (the tile's first row has the lowest)
+  // and inside the block table (so no V rows to zero either)
+  __device__ __forceinline__ int untested_end(int seq_len, int pg_end) {
+    const int lim0 = p.causal ? seq_len - p.s_q + row0 / p.heads + 1 : seq_len;
+    const int n_full = min(max(lim0, 0) / kKeys, p.max_blocks);  // pages [0, n_full): all keys valid
+    return pg_end <= n_full ? pg_end : n_full - 1;
+  }
+  // P = exp2(S - m) in place (kFold: exp2(S * scale_log2 - m), one FFMA); row sums
   __device__ __forceinline__ void exponentiate(const float* m, float* rsum) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -181,7 +195,7 @@ struct Softmax {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& v = s[n * 4 + hr * 2 + e];
-          v = exp2f(v - m[hr]);
+          v = kFold ? exp2f(fmaf(v, scale_log2, -m[hr])) : exp2f(v - m[hr]);
           sum += v;
         }
       }
