@@ -11,7 +11,9 @@ Env vars:
                               -DMLA_BACKEND_DENSE_P_STMATRIX=1: dense P stored by stmatrix;
                               -DMLA_BACKEND_DENSE_KV_EVICT_FIRST=1: dense K/V TMA loads with an
                               L2 evict-first hint; -DMLA_BACKEND_DENSE_MTILE_FAST=1: the dense
-                              grid's fast index is the m-tile; see csrc/wgmma/config.cuh)
+                              grid's fast index is the m-tile; -DMLA_BACKEND_DENSE_PIECE_RESTART=1:
+                              dense outputs staged for 16-byte stores, the next piece's Q by TMA
+                              under them; see csrc/wgmma/config.cuh)
   MAX_JOBS                    parallel nvcc jobs (ninja); default: number of CPUs
 """
 
