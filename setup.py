@@ -14,7 +14,9 @@ Env vars:
                               grid's fast index is the m-tile; -DMLA_BACKEND_DENSE_MASK_FREE=1:
                               the dense seesaw's pairs inside every row's key limit run without
                               key tests, and the bf16/fp16 cache's softmax scale is applied in
-                              the exponent; see csrc/wgmma/config.cuh)
+                              the exponent; -DMLA_BACKEND_DENSE_PIECE_RESTART=1: dense outputs
+                              staged for 16-byte stores, the next piece's Q by TMA under them;
+                              see csrc/wgmma/config.cuh)
   MAX_JOBS                    parallel nvcc jobs (ninja); default: number of CPUs
 """
 

@@ -23,6 +23,12 @@
 //                                      row's key limit without the per-key tests; kPagedTma also
 //                                      takes the row max on raw S and applies the softmax scale
 //                                      in the exponent, one FFMA a value (consumer.cuh, Softmax)
+//   MLA_BACKEND_DENSE_PIECE_RESTART=1  a request piece ends and the next starts as in FlashMLA
+//                                      (consumer.cuh): whole-request outputs go out as staged
+//                                      16-byte rows like the split partials; kPagedTma stages
+//                                      both in K0 (idle after the last pair) and issues the next
+//                                      piece's Q by TMA before those stores (kPagedFp8 stages in
+//                                      sQ and keeps its cp.async Q)
 #ifndef MLA_BACKEND_DENSE_P_STMATRIX
 #define MLA_BACKEND_DENSE_P_STMATRIX 0
 #endif
@@ -34,6 +40,9 @@
 #endif
 #ifndef MLA_BACKEND_DENSE_MASK_FREE
 #define MLA_BACKEND_DENSE_MASK_FREE 0
+#endif
+#ifndef MLA_BACKEND_DENSE_PIECE_RESTART
+#define MLA_BACKEND_DENSE_PIECE_RESTART 0
 #endif
 
 namespace mla_backend::wgmma {
@@ -121,6 +130,14 @@ template <KeySource kSrc> constexpr bool kSplitOf = kSrc == KeySource::kSparseDs
 template <KeySource kSrc> constexpr bool kQTmaOf = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;
 constexpr int kQBar = 16;
 static_assert(2 * kFills <= kQBar && kQBar < 18, "the Q mbarrier must not overlap the fills'");
+// Dense sources in a MLA_BACKEND_DENSE_PIECE_RESTART build: whole-request outputs staged for
+// 16-byte stores (store_rows_staged), as the split partials are
+template <KeySource kSrc> constexpr bool kDenseStagedOutOf = !kSparseOf<kSrc> && MLA_BACKEND_DENSE_PIECE_RESTART != 0;
+// ... and kPagedTma's Q by TMA (make_dense_q_maps; cp.async where dense_q_by_tma says no),
+// each piece's issued by the previous piece's epilogue. Its mbarrier is the 19th: kPagedTma's
+// 18 chunk barriers take ids 0-17, and it uses none of the sparse key-mask words after them.
+template <KeySource kSrc> constexpr bool kDenseQTmaOf = kSrc == KeySource::kPagedTma && MLA_BACKEND_DENSE_PIECE_RESTART != 0;
+constexpr int kDenseQBar = 18;
 
 // Named barriers (id 0 is __syncthreads): both warpgroups, 256 threads ...
 constexpr int kBarMax0 = 1;       // warpgroup 0's max / scale published

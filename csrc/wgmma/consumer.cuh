@@ -88,6 +88,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   constexpr bool kSparse = kSparseOf<kSrc>;
   constexpr bool kProduced = kProducedOf<kSrc>;
   constexpr bool kQTma = kQTmaOf<kSrc>;
+  constexpr bool kDenseQTma = kDenseQTmaOf<kSrc>;
   // the kernel's locals under their own names, bound once here (see consumer_steps.cuh)
   auto& smem = c.smem;
   auto& base = c.base;
@@ -138,7 +139,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   // bit fill_id(b, h) of that part's "full" barrier
   uint32_t phases = 0;
   const T* qbase = static_cast<const T*>(p.q);
-  const uint32_t q_bar = bars + kQBar * 8;
+  const uint32_t q_bar = bars + (kDenseQTma ? kDenseQBar : kQBar) * 8;
   uint32_t q_phase = 0;
   // kQTma: Q of query group rq -> sQ (one thread; sQ is free): chunks 0-7 from the latent
   // part's map, chunk 8 from the rope part's
@@ -148,6 +149,16 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
 #pragma unroll
     for (int c = 0; c < kDv / 64; ++c) tma_load_4d(sQ + c * kChunkBytes, &q_maps.nope, c * 64, row0, qs, qb, q_bar);
     tma_load_4d(sQ + (kDv / 64) * kChunkBytes, &q_maps.pe, 0, row0, qs, qb, q_bar);
+  };
+  // kDenseQTma where the host made q maps (dense_q_by_tma): Q of request rq -> sQ by TMA (one
+  // thread; sQ is free), the same chunks as load_q, the tile's box at (head, token) (h0, s0)
+  const bool q_tma = kDenseQTma && dense_q_by_tma(p);
+  const int h0 = q_tma ? row0 % p.heads : 0, s0 = q_tma ? row0 / p.heads : 0;
+  auto load_q_dense = [&](int rq) {
+    ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(q_bar), kTileBytes);
+#pragma unroll
+    for (int c = 0; c < kDv / 64; ++c) tma_load_4d(sQ + c * kChunkBytes, &q_maps.nope, c * 64, h0, s0, rq, q_bar);
+    tma_load_4d(sQ + (kDv / 64) * kChunkBytes, &q_maps.pe, 0, h0, s0, rq, q_bar);
   };
 
   // TMA of one half of buffer b (h = 0: chunks 0-3, h = 1: chunks 4-8), one mbarrier per
@@ -228,6 +239,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     const int Pr = P_at(r);
     const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;  // page indices
     const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + r);
+    if (q_tma && tid == 0 && u == u_begin) load_q_dense(r);  // later pieces': the epilogue's
     // dense prologue: first pages of the piece (both buffers are free: the previous piece
     // ended with a CTA barrier after every wgmma retired)
     if (!kProduced && wg_leader) {
@@ -245,6 +257,10 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       if (wtid == 0 && u == u_begin) TL(4 + wg);
       q_phase ^= 1;
       consumers_sync();
+    } else if (q_tma) {  // the running max is read after the barrier that ends the rope LDSM
+      if (tid < kRows) sM[tid] = kNoMax;
+      mbar_wait(q_bar, q_phase);
+      q_phase ^= 1;
     } else {
     // Q tile -> smem (cp.async: every copy in flight at once, rows past `rows` zero-filled;
     // plain loads stalled each store on its load), the running max reset. The latent and the
@@ -537,6 +553,14 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     const bool split = (Pr / U) != ((Pr1 - 1) / U);
     const float kv_scale = read_kv_scale();
     const int slot = Pr <= u_begin ? 0 : 1;
+    // kDenseQTma: the staged stores go through K0 (both K buffers idle: every wgmma retired
+    // before the barrier above), so sQ is free and the next piece's Q lands under them
+    const uint32_t stage = kDenseQTma ? sKbuf(0) : sQ;
+    if (q_tma && tid == 0 && Pr + pg_end < u_end) {
+      int rn = r + 1;  // the next piece's request: the first after r with units
+      while (Pr + pg_end >= P_at(rn + 1)) ++rn;
+      load_q_dense(rn);
+    }
     if (kSparse && !split) {
       // a whole request: O (bf16) through sQ (free: this piece's S are done) into rows of 1024
       // bytes, 16-byte units XOR-swizzled by row % 8, with one stmatrix per 4 n-blocks; then
@@ -574,7 +598,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + row0 + m) * kDv + unit * 8) = val;
       }
       cutlass::arch::fence_view_async_shared();  // sQ: generic accesses here, the next piece's Q by TMA
-    } else if (!kSparse && splitkv::kStagedPartials && split) {  // 16-bit partials through sQ (free too)
+    } else if (!kSparse && splitkv::kStagedPartials && split) {  // 16-bit partials through sQ (free too) or K0
       const int64_t prow0 = (int64_t(cta) * 2 + slot) * p.rows + row0;
       float inv_l[2];
 #pragma unroll
@@ -584,8 +608,12 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         if (wg == 0 && qd == 0 && row < p.rows)
           p.part_lse[prow0 + wrow + hr * 8] = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
       }
-      store_rows_staged(o, inv_l, smem, base, sQ, wg, wtid, lane, static_cast<T*>(p.part_out) + prow0 * kDv,
+      store_rows_staged(o, inv_l, smem, base, stage, wg, wtid, lane, static_cast<T*>(p.part_out) + prow0 * kDv,
                         p.rows - row0, consumers_sync);
+    } else if (kDenseStagedOutOf<kSrc> && !split) {  // a whole request's out the same way
+      const int64_t orow0 = int64_t(r) * p.rows + row0;
+      store_tile_staged(o, lt, mt, kv_scale, smem, base, stage, wg, wtid, lane, wrow, qd,
+                        static_cast<T*>(p.out) + orow0 * kDv, p.lse + orow0, p.rows - row0, consumers_sync);
     } else {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -611,7 +639,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       }
     }
     }  // staged or direct stores
-    consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers) are reused by the next piece
+    consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers: the stage) are reused by the next piece
     if (tid == 0) TL(58);
     u = Pr + pg_end;
   }

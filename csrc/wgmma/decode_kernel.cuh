@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       if constexpr (kQTmaOf<kSrc>) ClusterBarrier::init(smem_ptr<uint64_t>(bars + kQBar * 8), 1);
     } else {
       for (int i = 0; i < 18; ++i) ClusterBarrier::init(smem_ptr<uint64_t>(bars + i * 8), 1);
+      if constexpr (kDenseQTmaOf<kSrc>) ClusterBarrier::init(smem_ptr<uint64_t>(bars + kDenseQBar * 8), 1);
     }
     cutlass::arch::fence_barrier_init();
   }

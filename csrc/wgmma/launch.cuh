@@ -24,9 +24,12 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   const dim3 grid = kMtileFastOf<kSrc> ? dim3(m_tiles, p.num_ctas) : dim3(p.num_ctas, m_tiles);
   STD_TORCH_CHECK(!kPaired || m_tiles == 2, "mla_decode: a paired launch needs exactly two row tiles");
   CUtensorMap kv_map{};  // the producer sources copy keys without a tensor map
-  QMaps q_maps{};        // the dense sources copy Q without tensor maps
+  QMaps q_maps{};        // the dense sources copy Q without tensor maps (but see kDenseQTmaOf)
   if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
   if constexpr (kQTmaOf<kSrc>) q_maps = make_q_maps(p, kRows);
+  if constexpr (kDenseQTmaOf<kSrc>) {  // otherwise the kernel copies Q with cp.async (dense_q_by_tma)
+    if (dense_q_by_tma(p)) q_maps = make_dense_q_maps(p, std::is_same_v<T, __nv_bfloat16>);
+  }
   // bf16 sparse with two row tiles: the tiles of a query group run as a 2-CTA cluster
   // although they share nothing, so the two CTAs that gather the same keys at about the same
   // time sit in one GPC (H = 128 -2 to -5%)

@@ -1,8 +1,9 @@
 // A 64-row tile of O written as 16-bit rows through shared memory: from the wgmma accumulator
 // layout each 4-byte global store would span 8 rows (8 lines per instruction); staged, the 256
 // consumer threads store 16 contiguous bytes each. Used for dense split partials in a build
-// with staged 16-bit partials (splitkv::kStagedPartials); the sparse kernels' whole-request
-// out (consumer.cuh) stages the same way.
+// with staged 16-bit partials (splitkv::kStagedPartials) and, in a kDenseStagedOutOf build,
+// for dense whole-request outputs (store_tile_staged); the sparse kernels' whole-request out
+// (consumer.cuh) stages the same way.
 #pragma once
 
 #include <cute/arch/copy_sm90.hpp>
@@ -51,6 +52,25 @@ __device__ __forceinline__ void store_rows_staged(const float (&o)[128], const f
     *reinterpret_cast<uint4*>(dst + int64_t(m) * kDv + unit * 8) = val;
   }
   cutlass::arch::fence_view_async_shared();  // generic accesses to the stage; the async proxy may write it next
+}
+
+// The tile normalised: rows wrow and wrow + 8 of each warp's 16 (sums lt, running maxima mt in
+// log2, as the epilogue holds them) as O * kv_scale / l through store_rows_staged to dst, and
+// their lse (natural log; -inf for an empty row) to lse_dst[m] by warpgroup 0.
+template <typename T, typename Sync>
+__device__ __forceinline__ void store_tile_staged(const float (&o)[128], const float (&lt)[2], const float (&mt)[2],
+                                                  float kv_scale, unsigned char* smem, uint32_t base, uint32_t stage,
+                                                  int wg, int wtid, int lane, int wrow, int qd, T* dst, float* lse_dst,
+                                                  int valid_rows, Sync& consumers_sync) {
+  float inv_l[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    inv_l[hr] = lt[hr] != 0.f ? kv_scale / lt[hr] : 0.f;
+    const int m = wrow + hr * 8;
+    if (wg == 0 && qd == 0 && m < valid_rows)
+      lse_dst[m] = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
+  }
+  store_rows_staged(o, inv_l, smem, base, stage, wg, wtid, lane, dst, valid_rows, consumers_sync);
 }
 
 }  // namespace mla_backend::wgmma

@@ -52,6 +52,32 @@ CUtensorMap make_q_part_map(const DecodeParams& p, const void* base, int width, 
   return map;
 }
 
+// One part of the dense query: `width` columns at `base`, heads / query tokens / batch entries
+// at strides_el (elements; a dimension of size 1 is never stepped over, as in make_q_part_map)
+CUtensorMap make_dense_q_part_map(const DecodeParams& p, const void* base, int width, const int64_t (&strides_el)[3],
+                                  bool bf16, const char* name) {
+  const int64_t sizes[3] = {p.heads, p.s_q, p.batch};
+  cuuint64_t dims[4] = {cuuint64_t(width), 0, 0, 0};
+  cuuint64_t strides[3];
+  int64_t packed = width;
+  for (int i = 0; i < 3; ++i) {
+    dims[i + 1] = cuuint64_t(sizes[i]);
+    strides[i] = cuuint64_t(sizes[i] == 1 ? packed : strides_el[i]) * 2;
+    packed *= sizes[i];
+  }
+  const int box_heads = p.heads < 64 ? p.heads : 64;
+  const cuuint32_t box[4] = {64, cuuint32_t(box_heads), cuuint32_t(64 / box_heads), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = tensor_map_encoder()(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                                          4, const_cast<void*>(base), dims, strides, box, elem_strides,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  STD_TORCH_CHECK(r == CUDA_SUCCESS, "mla_decode: cuTensorMapEncodeTiled failed for ", name, " with error ", int(r),
+                  " (", name, " must be 16-byte aligned with 16-byte multiple strides)");
+  return map;
+}
+
 }  // namespace
 
 CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
@@ -75,6 +101,14 @@ QMaps make_q_maps(const DecodeParams& p, int box_rows) {
   const int64_t pe_strides[3] = {p.qpe_stride_h, p.qpe_stride_s, p.qpe_stride_b};
   return {make_q_part_map(p, p.q, kDv, nope_strides, box_rows, "q"),
           make_q_part_map(p, p.q_pe, kDqk - kDv, pe_strides, box_rows, "q_pe")};
+}
+
+QMaps make_dense_q_maps(const DecodeParams& p, bool bf16) {
+  STD_TORCH_CHECK(dense_q_by_tma(p), "mla_decode: no Q tensor map for H = ", p.heads, " (see dense_q_by_tma)");
+  const int64_t nope_strides[3] = {p.q_stride_h, p.q_stride_s, p.q_stride_b};
+  const int64_t pe_strides[3] = {p.qpe_stride_h, p.qpe_stride_s, p.qpe_stride_b};
+  return {make_dense_q_part_map(p, p.q, kDv, nope_strides, bf16, "q"),
+          make_dense_q_part_map(p, p.q_pe, kDqk - kDv, pe_strides, bf16, "q_pe")};
 }
 
 }  // namespace mla_backend::wgmma
