@@ -8,10 +8,12 @@ the engine's dummy weights (speed does not depend on them). vLLM: each engine ru
 process (mla_backend.engine_run), decode steps in FULL CUDA graphs without torch.compile (the
 same for every backend). Time per decode step: `batch` requests whose `context`-token prompts
 are in vLLM's prefix cache are driven through the engine's step loop; once all of them decode,
-the span of the whole-batch steps over their number (prefill excluded); median of
-`repeats`. (The first method, differences of `generate` wall times, gave repeats 2x apart on
-the H200. This one ran on the H200 on 2026-11-21, docs/vllm.md: repeats still 18-42% apart,
-more than the differences between backends.)
+the span of the whole-batch steps over their number (prefill excluded), `repeats` times per
+engine. Engines are interleaved as for SGLang (bench/e2e_spread.py): `rounds` engine processes
+per backend, started in turn; a backend's `us` is the median of all its repeats, `us_rounds`
+all of them, `spread_pct` their (max - min) / median, and each row prints whether ours vs the
+best peer differs by more than the spreads. (Repeats of one engine spread 18-42% on the H200,
+2026-11-21, and 30-50% on the H100, 2026-11-26: more than the backends differed.)
 
 --arch v32: DeepSeek-V3.2 (sparse attention, DSA): the same dims plus its lightning indexer
 (64 heads of 128) keeping index_topk = 2048 keys per query token, so at the default 8k
@@ -23,7 +25,8 @@ Writes bench/results/<job>-<gpu>-<date>.json (results_job: e2e_decode, e2e_decod
 with _v32 and a non-bf16 cache appended for V3.2) in design.md's shape plus "engine": `us` =
 us per decode step; tokens/s in the printed table; each row's config names arch and cache.
 
-    python -m bench.e2e_decode [--heads 128 16] [--batch 64] [--context 8192] [--out DIR]
+    python -m bench.e2e_decode [--heads 128 16] [--batch 64] [--context 8192] [--rounds 2]
+        [--out DIR]
     python -m bench.e2e_decode --engine sglang [--backends ours flashmla triton] [--rounds 2]
     python -m bench.e2e_decode --arch v32 [--kv-cache-dtype fp8_ds_mla] [--engine sglang
         --kv-cache-dtype fp8_e4m3]
@@ -32,12 +35,14 @@ us per decode step; tokens/s in the printed table; each row's config names arch 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import statistics
 import sys
 import tempfile
 from importlib import metadata
 
-from bench import common, e2e_sglang
+from bench import common, e2e_sglang, e2e_spread
 from mla_backend.demo import engines, tiny_model
 from mla_backend.vllm import version
 
@@ -110,8 +115,8 @@ def _parse(argv):
                         "fa3_mla_sparse on a bf16 cache only); v32 on sglang: ours and "
                         "flashmla_sparse (bfloat16) or flashmla_kv (fp8_e4m3)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="sglang: engine processes per backend, started in turn (default "
-                        f"{e2e_sglang.DEFAULT_ROUNDS})")
+                   help="engine processes per backend, started in turn (default "
+                        f"{e2e_spread.DEFAULT_ROUNDS})")
     p.add_argument("--log-interval", type=int, default=None,
                    help="sglang: decode steps per step-time record (default 16)")
     p.add_argument("--out", default=None, help="results file or directory")
@@ -137,15 +142,14 @@ def _parse(argv):
         if key not in known:
             p.error(f"--backends {key}: not a backend of {what}; choose from "
                     f"{', '.join(known)}")
-    if args.engine == "vllm":
-        for name, value in (("--rounds", args.rounds), ("--log-interval", args.log_interval)):
-            if value is not None:
-                p.error(f"{name} {value}: only with --engine sglang")
-        return args
-    args.rounds = e2e_sglang.DEFAULT_ROUNDS if args.rounds is None else args.rounds
-    args.log_interval = 16 if args.log_interval is None else args.log_interval
+    args.rounds = e2e_spread.DEFAULT_ROUNDS if args.rounds is None else args.rounds
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: must be 1 or more")
+    if args.engine == "vllm":
+        if args.log_interval is not None:
+            p.error(f"--log-interval {args.log_interval}: only with --engine sglang")
+        return args
+    args.log_interval = 16 if args.log_interval is None else args.log_interval
     if args.log_interval < 1 or args.steps < 2 * args.log_interval:
         p.error(f"--steps {args.steps} --log-interval {args.log_interval}: each timed call "
                 "needs two step records or more, so steps >= 2 x log-interval >= 2")
@@ -163,46 +167,54 @@ def vllm_spec(args, model: str, key: str) -> dict:
                        "steps": args.steps, "repeats": args.repeats}}
 
 
-def _vllm_row(args, model: str, config: dict, logs: str) -> common.BenchRow:
-    """Time every backend of args.backends in vLLM, one engine each."""
+def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow:
+    """Time every backend of args.backends in vLLM: args.rounds engine processes each, started
+    in turn (bench.common.round_orders), each timing args.repeats repeats."""
     heads = config["H"]
-    row = common.BenchRow(config=config)
-    tokens_per_s = {}
     vllm_version = _vllm_version()
-    for key in args.backends:
+    skipped: dict[str, str] = {}
+    tokens_per_s: dict[str, list[float]] = {}
+
+    def timer(key: str):
         spec = vllm_spec(args, model, key)
         name = spec["backend"]
+        rounds = itertools.count()
+
+        def one_engine() -> list[float]:
+            r = next(rounds)
+            label = f"H={heads} {name} round {r}"
+            log_path = os.path.join(logs, f"h{heads}-{key}-round{r}.log")
+            common.log(f"{label}: starting (log {log_path})")
+            res = engines.run_engine(spec, log_path, label=label, timeout_s=900)
+            if "timing" not in res:
+                raise RuntimeError(f"not timed: {res.get('timing_error', 'no timing')}")
+            t = res["timing"]
+            tokens_per_s.setdefault(key, []).append(t["decode_tokens_per_s"])
+            common.log(f"{label}: {t['step_us']:.0f} us per step "
+                       f"({t['decode_tokens_per_s']:.0f} tokens/s; all: "
+                       f"{', '.join(f'{x:.0f}' for x in t['step_us_all'])}; engine start "
+                       f"{res['engine_start_s']:.0f} s)")
+            return list(t["step_us_all"])
+
+        return one_engine
+
+    def failed(key: str, e: Exception) -> None:
+        skipped[key] = common.short_error(e)
+        common.log(str(e) if isinstance(e, engines.EngineFailed) else skipped[key])
+
+    timers = {}
+    for key in args.backends:
+        name = vllm_spec(args, model, key)["backend"]
         refused = vllm_refuses(name, args.kv_cache_dtype, vllm_version)
         if refused:
-            row.skipped[key] = refused
+            skipped[key] = refused
             common.log(f"H={heads} {name}: not started: {refused}")
-            continue
-        log_path = os.path.join(logs, f"h{heads}-{key}.log")
-        common.log(f"H={heads} {name}: starting (log {log_path})")
-        try:
-            res = engines.run_engine(spec, log_path, label=f"H={heads} {name}", timeout_s=900)
-        except engines.EngineFailed as e:
-            row.skipped[key] = common.short_error(e)
-            common.log(str(e))
-            continue
-        if "timing" not in res:
-            row.skipped[key] = res.get("timing_error", "no timing")
-            common.log(f"H={heads} {name}: not timed: {row.skipped[key]}")
-            continue
-        t = res["timing"]
-        row.us[key] = t["step_us"]
-        row.us_rounds[key] = list(t["step_us_all"])  # the repeats; `us` is their median
-        tokens_per_s[key] = t["decode_tokens_per_s"]
-        common.log(f"H={heads} {name}: {t['step_us']:.0f} us per step "
-                   f"({t['decode_tokens_per_s']:.0f} tokens/s; all: "
-                   f"{', '.join(f'{x:.0f}' for x in t['step_us_all'])}; engine start "
-                   f"{res['engine_start_s']:.0f} s)")
-    t_ours = row.us.get("ours")
-    peers = [v for k, v in row.us.items() if k != "ours"]
-    if t_ours and peers:
-        row.speedup_vs_best_peer = min(peers) / t_ours
+        else:
+            timers[key] = timer(key)
+    timings = common.time_in_rounds(timers, args.rounds, failed)
+    row = e2e_spread.assemble_row(config, timings, skipped)
     row.notes["ours"] = "tokens/s " + ", ".join(
-        f"{k} {v:.0f}" for k, v in tokens_per_s.items())
+        f"{k} {statistics.median(v):.0f}" for k, v in tokens_per_s.items() if k in row.us)
     return row
 
 
@@ -263,9 +275,8 @@ def main(argv=None) -> int:
                              extra={"engine": args.engine, "engine_version": engine_version})
     common.print_table(rows, list(args.backends), None)
     common.print_summary(rows)
-    if args.engine == "sglang":
-        for row in rows:
-            common.log(e2e_sglang.verdict(row))
+    for row in rows:
+        common.log(e2e_spread.verdict(row))
     common.log(f"wrote {path}")
     return 0
 

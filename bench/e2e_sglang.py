@@ -29,18 +29,15 @@ from __future__ import annotations
 
 import itertools
 import os
-import statistics
-from dataclasses import dataclass, field
-from typing import Any
 
-from bench import common
+from bench import common, e2e_spread
 from mla_backend.demo import engines, sglang_run
 
 # key in the results -> SGLang's --attention-backend name
 BACKENDS = {"ours": "mla_backend", "flashmla": "flashmla", "flashinfer": "flashinfer",
             "triton": "triton"}
 DEFAULT_BACKENDS = ["ours", "flashmla"]
-DEFAULT_ROUNDS = 2
+DEFAULT_ROUNDS = e2e_spread.DEFAULT_ROUNDS
 # DeepSeek-V3.2: --kv-cache-dtype -> key -> SGLang's --attention-backend and, for its `dsa`,
 # the kernel of both phases (flashmla_sparse decodes a bf16 cache only; flashmla_kv on a bf16
 # cache quantizes the whole pool at every call)
@@ -56,19 +53,6 @@ def backend_names(arch: str, kv_cache_dtype: str) -> dict[str, str]:
         return dict(BACKENDS)
     return {key: name if kernel is None else f"{name} {kernel}"
             for key, (name, kernel) in DSA_BACKENDS[kv_cache_dtype].items()}
-
-
-@dataclass
-class SpreadRow(common.BenchRow):
-    """A results row that also carries each backend's spread over its timed calls, in
-    percent of its median."""
-
-    spread_pct: dict[str, float] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        doc = super().to_json()
-        doc["spread_pct"] = {k: round(v, 2) for k, v in self.spread_pct.items()}
-        return doc
 
 
 def engine_spec(model: str, backend: str, *, batch: int, context: int, steps: int,
@@ -102,44 +86,7 @@ def engine_spec(model: str, backend: str, *, batch: int, context: int, steps: in
     return spec
 
 
-def assemble_row(config: dict, timings: dict[str, list[list[float]]],
-                 skipped: dict[str, str]) -> SpreadRow:
-    """The row of one config from each backend's step times (us), one list per engine
-    process (round); backends that failed are in `skipped` with why."""
-    row = SpreadRow(config=dict(config), skipped=dict(skipped))
-    for key, rounds in timings.items():
-        calls = [us for r in rounds for us in r]
-        if not calls:
-            row.skipped.setdefault(key, "no timed call")
-            continue
-        med = statistics.median(calls)
-        row.us[key] = med
-        row.us_rounds[key] = calls
-        row.spread_pct[key] = 100.0 * (max(calls) - min(calls)) / med
-    peers = [v for k, v in row.us.items() if k != "ours"]
-    if "ours" in row.us and peers:
-        row.speedup_vs_best_peer = min(peers) / row.us["ours"]
-    return row
-
-
-def verdict(row: SpreadRow) -> str:
-    """One line: each backend's median and spread, and whether ours vs the best peer differs
-    by more than the larger of the two spreads."""
-    parts = ", ".join(f"{k} {v:.0f} us (spread {row.spread_pct[k]:.1f}%)"
-                      for k, v in row.us.items())
-    line = f"{common.config_label(row.config)}: {parts}"
-    peers = {k: v for k, v in row.us.items() if k != "ours"}
-    if "ours" not in row.us or not peers:
-        return line
-    best = min(peers, key=peers.get)
-    diff = 100.0 * abs(peers[best] - row.us["ours"]) / peers[best]
-    spread = max(row.spread_pct["ours"], row.spread_pct[best])
-    resolved = "resolved" if diff > spread else "not resolved"
-    return (f"{line}; ours vs {best}: {row.speedup_vs_best_peer:.3f}x, a difference of "
-            f"{diff:.1f}% against a spread of {spread:.1f}%: {resolved}")
-
-
-def time_row(args, model: str, config: dict, logs: str) -> SpreadRow:
+def time_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow:
     """Time every backend of args.backends on one model in args.rounds interleaved rounds."""
     heads = config["H"]
     names = backend_names(args.arch, args.kv_cache_dtype)
@@ -174,4 +121,4 @@ def time_row(args, model: str, config: dict, logs: str) -> SpreadRow:
         common.log(str(e) if isinstance(e, engines.EngineFailed) else skipped[key])
 
     timings = common.time_in_rounds({k: timer(k) for k in args.backends}, args.rounds, failed)
-    return assemble_row(config, timings, skipped)
+    return e2e_spread.assemble_row(config, timings, skipped)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import common, e2e_decode, e2e_sglang
+from bench import common, e2e_decode, e2e_sglang, e2e_spread
 from mla_backend.demo import engines, sglang_run
 
 
@@ -16,7 +16,7 @@ def test_vllm_arguments_as_before():
     assert args.engine == "vllm" and args.backends == ["ours", "flashmla", "fa3_mla"]
     assert (args.heads, args.batch, args.context, args.steps, args.repeats) == (
         [128, 16], 64, 8192, 128, 5)
-    assert args.rounds is None and args.log_interval is None
+    assert args.rounds == 2 and args.log_interval is None  # engines interleaved, as for SGLang
     assert (args.arch, args.kv_cache_dtype) == ("v3", "auto")
 
 
@@ -34,7 +34,7 @@ def test_sglang_arguments_and_defaults():
     (["--backends", "triton"], "--backends triton: not a backend of --engine vllm"),
     (["--engine", "sglang", "--backends", "fa3_mla"],
      "--backends fa3_mla: not a backend of --engine sglang; choose from ours, flashmla"),
-    (["--rounds", "3"], "--rounds 3: only with --engine sglang"),
+    (["--rounds", "0"], "--rounds 0: must be 1 or more"),
     (["--log-interval", "8"], "--log-interval 8: only with --engine sglang"),
     (["--engine", "sglang", "--rounds", "0"], "--rounds 0: must be 1 or more"),
     (["--engine", "sglang", "--steps", "16"], "--steps 16 --log-interval 16: each timed call"),
@@ -83,7 +83,7 @@ def test_sglang_engine_spec():
 
 
 def test_rows_take_the_median_of_every_call_and_its_spread():
-    row = e2e_sglang.assemble_row(
+    row = e2e_spread.assemble_row(
         {"H": 16}, {"ours": [[100.0, 102.0], [98.0, 101.0]], "flashmla": [[110.0, 111.0]],
                     "triton": []}, {"flashinfer": "RuntimeError: boom"})
     assert row.us == {"ours": 100.5, "flashmla": 110.5}
@@ -97,15 +97,15 @@ def test_rows_take_the_median_of_every_call_and_its_spread():
 
 
 def test_verdict_compares_the_difference_with_the_spreads():
-    clear = e2e_sglang.assemble_row({"H": 16}, {"ours": [[100.0, 101.0]],
+    clear = e2e_spread.assemble_row({"H": 16}, {"ours": [[100.0, 101.0]],
                                                 "flashmla": [[110.0, 111.0]]}, {})
-    assert e2e_sglang.verdict(clear).endswith(
+    assert e2e_spread.verdict(clear).endswith(
         "ours vs flashmla: 1.100x, a difference of 9.0% against a spread of 1.0%: resolved")
-    blurred = e2e_sglang.assemble_row({"H": 16}, {"ours": [[100.0, 120.0]],
+    blurred = e2e_spread.assemble_row({"H": 16}, {"ours": [[100.0, 120.0]],
                                                   "flashmla": [[112.0, 113.0]]}, {})
-    assert e2e_sglang.verdict(blurred).endswith("against a spread of 18.2%: not resolved")
-    alone = e2e_sglang.assemble_row({"H": 16}, {"ours": [[100.0]]}, {})
-    assert e2e_sglang.verdict(alone) == "H=16: ours 100 us (spread 0.0%)"
+    assert e2e_spread.verdict(blurred).endswith("against a spread of 18.2%: not resolved")
+    alone = e2e_spread.assemble_row({"H": 16}, {"ours": [[100.0]]}, {})
+    assert e2e_spread.verdict(alone) == "H=16: ours 100 us (spread 0.0%)"
 
 
 def test_sglang_bench_interleaves_engines_and_writes_results(monkeypatch, tmp_path):
@@ -277,14 +277,15 @@ def test_vllm_v32_fp8_bench_skips_what_vllm_025_cannot_start(monkeypatch, tmp_pa
     monkeypatch.setattr(e2e_decode, "_vllm_version", lambda: "0.25.0")
     assert e2e_decode.main(["--arch", "v32", "--kv-cache-dtype", "fp8_ds_mla", "--heads", "16",
                             "--out", str(tmp_path), "--logs", str(tmp_path)]) == 0
-    assert started == [("CUSTOM", "fp8_ds_mla", 2048, 16)]
+    assert started == [("CUSTOM", "fp8_ds_mla", 2048, 16)] * 2  # one engine per round
     doc = json.loads((tmp_path / "e2e_decode_v32_fp8_ds_mla-test-gpu-"
                       f"{common.today()}.json").read_text())
     assert doc["engine"] == "vllm"
     (row,) = doc["rows"]
     assert row["config"]["arch"] == "v32" and row["config"]["kv_cache_dtype"] == "fp8_ds_mla"
-    assert row["us"] == {"ours": 2000.0} and row["speedup_vs_best_peer"] is None
-    assert row["us_rounds"] == {"ours": [2000.0, 2100.0]}  # every repeat, for the spread
+    assert row["speedup_vs_best_peer"] is None
+    assert row["us_rounds"] == {"ours": [2000.0, 2100.0] * 2}  # every repeat of both rounds
+    assert row["us"] == {"ours": 2050.0}
     assert doc["engine_version"].startswith("vllm ")
     assert row["skipped"]["flashmla_sparse"].startswith("vLLM 0.25.0: FLASHMLA_SPARSE does not")
 
@@ -317,3 +318,36 @@ def test_sglang_v32_bench_runs_dsa_with_named_kernels(monkeypatch, tmp_path):
     assert row["config"]["kv_cache_dtype"] == "fp8_e4m3" and row["config"]["index_topk"] == 2048
     assert row["us"] == {"ours": 900.5, "flashmla_kv": 1000.5}
     assert row["speedup_vs_best_peer"] == pytest.approx(1000.5 / 900.5, abs=1e-4)
+
+
+def test_vllm_bench_interleaves_engines_and_reports_the_spread(monkeypatch, tmp_path):
+    starts = []
+
+    def fake_run_engine(spec, log_path, *, label="", timeout_s=900, **kw):
+        starts.append((spec["backend"], log_path.rsplit("/", 1)[-1]))
+        if spec["backend"] == "FLASH_ATTN_MLA":
+            raise engines.EngineFailed("FLASH_ATTN_MLA failed (exit 1)")
+        base = 900.0 if spec["backend"] == "CUSTOM" else 1000.0
+        calls = [base + 10 * len(starts) + i for i in range(spec["timing"]["repeats"])]
+        return {"engine_start_s": 30.0,
+                "timing": {"step_us": calls[1], "decode_tokens_per_s": 64e6 / calls[1],
+                           "step_us_all": calls}}
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(engines, "run_engine", fake_run_engine)
+    out = tmp_path / "r.json"
+    assert e2e_decode.main(["--heads", "16", "--repeats", "2", "--out", str(out),
+                            "--logs", str(tmp_path)]) == 0
+    # round 0 starts with ours, round 1 with the next backend; FLASH_ATTN_MLA failed once
+    # and was not started again
+    assert starts == [("CUSTOM", "h16-ours-round0.log"), ("FLASHMLA", "h16-flashmla-round0.log"),
+                      ("FLASH_ATTN_MLA", "h16-fa3_mla-round0.log"),
+                      ("FLASHMLA", "h16-flashmla-round1.log"), ("CUSTOM", "h16-ours-round1.log")]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["us_rounds"] == {"ours": [910.0, 911.0, 950.0, 951.0],
+                                "flashmla": [1020.0, 1021.0, 1040.0, 1041.0]}
+    assert row["us"] == {"ours": 930.5, "flashmla": 1030.5}
+    assert row["spread_pct"]["ours"] == pytest.approx(100 * 41 / 930.5, abs=0.01)
+    assert row["speedup_vs_best_peer"] == pytest.approx(1030.5 / 930.5, abs=1e-4)
+    assert row["skipped"]["fa3_mla"].startswith("EngineFailed")
+
