@@ -35,7 +35,6 @@ us per decode step; tokens/s in the printed table; each row's config names arch 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
@@ -177,30 +176,11 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow
 
     def timer(key: str):
         spec = vllm_spec(args, model, key)
-        name = spec["backend"]
-        rounds = itertools.count()
-
-        def one_engine() -> list[float]:
-            r = next(rounds)
-            label = f"H={heads} {name} round {r}"
-            log_path = os.path.join(logs, f"h{heads}-{key}-round{r}.log")
-            common.log(f"{label}: starting (log {log_path})")
-            res = engines.run_engine(spec, log_path, label=label, timeout_s=900)
-            if "timing" not in res:
-                raise RuntimeError(f"not timed: {res.get('timing_error', 'no timing')}")
-            t = res["timing"]
-            tokens_per_s.setdefault(key, []).append(t["decode_tokens_per_s"])
-            common.log(f"{label}: {t['step_us']:.0f} us per step "
-                       f"({t['decode_tokens_per_s']:.0f} tokens/s; all: "
-                       f"{', '.join(f'{x:.0f}' for x in t['step_us_all'])}; engine start "
-                       f"{res['engine_start_s']:.0f} s)")
-            return list(t["step_us_all"])
-
-        return one_engine
-
-    def failed(key: str, e: Exception) -> None:
-        skipped[key] = common.short_error(e)
-        common.log(str(e) if isinstance(e, engines.EngineFailed) else skipped[key])
+        return e2e_spread.engine_timer(
+            lambda log_path, label: engines.run_engine(spec, log_path, label=label,
+                                                       timeout_s=900),
+            f"H={heads} {spec['backend']}", f"h{heads}-{key}", logs,
+            lambda t: tokens_per_s.setdefault(key, []).append(t["decode_tokens_per_s"]))
 
     timers = {}
     for key in args.backends:
@@ -211,7 +191,7 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow
             common.log(f"H={heads} {name}: not started: {refused}")
         else:
             timers[key] = timer(key)
-    timings = common.time_in_rounds(timers, args.rounds, failed)
+    timings = common.time_in_rounds(timers, args.rounds, e2e_spread.failure_recorder(skipped))
     row = e2e_spread.assemble_row(config, timings, skipped)
     row.notes["ours"] = "tokens/s " + ", ".join(
         f"{k} {statistics.median(v):.0f}" for k, v in tokens_per_s.items() if k in row.us)

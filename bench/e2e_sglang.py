@@ -27,11 +27,8 @@ spreads is not resolved.
 
 from __future__ import annotations
 
-import itertools
-import os
-
 from bench import common, e2e_spread
-from mla_backend.demo import engines, sglang_run
+from mla_backend.demo import sglang_run
 
 # key in the results -> SGLang's --attention-backend name
 BACKENDS = {"ours": "mla_backend", "flashmla": "flashmla", "flashinfer": "flashinfer",
@@ -96,29 +93,11 @@ def time_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow:
                            steps=args.steps, repeats=args.repeats,
                            log_interval=args.log_interval, arch=args.arch,
                            kv_cache_dtype=args.kv_cache_dtype)
-        rounds = itertools.count()
-
-        def one_engine() -> list[float]:
-            r = next(rounds)
-            label = f"H={heads} {names[key]} round {r}"
-            log_path = os.path.join(logs, f"sglang-h{heads}-{key}-round{r}.log")
-            common.log(f"{label}: starting (log {log_path})")
-            res = sglang_run.run(spec, log_path, timeout_s=900, label=label)
-            if "timing" not in res:
-                raise RuntimeError(f"not timed: {res.get('timing_error', 'no timing')}")
-            t = res["timing"]
-            common.log(f"{label}: {t['step_us']:.0f} us per step ({t['decode_tokens_per_s']:.0f}"
-                       f" tokens/s; calls: {', '.join(f'{x:.0f}' for x in t['step_us_all'])};"
-                       f" engine start {res['engine_start_s']:.0f} s)")
-            return t["step_us_all"]
-
-        return one_engine
+        return e2e_spread.engine_timer(
+            lambda log_path, label: sglang_run.run(spec, log_path, timeout_s=900, label=label),
+            f"H={heads} {names[key]}", f"sglang-h{heads}-{key}", logs)
 
     skipped: dict[str, str] = {}
-
-    def failed(key: str, e: Exception) -> None:
-        skipped[key] = common.short_error(e)
-        common.log(str(e) if isinstance(e, engines.EngineFailed) else skipped[key])
-
+    failed = e2e_spread.failure_recorder(skipped)
     timings = common.time_in_rounds({k: timer(k) for k in args.backends}, args.rounds, failed)
     return e2e_spread.assemble_row(config, timings, skipped)

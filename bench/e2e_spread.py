@@ -5,11 +5,15 @@ difference smaller than the spreads reads as not resolved."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench import common
+from mla_backend.demo import engines
 
 DEFAULT_ROUNDS = 2  # engine processes per backend, started in turn
 
@@ -62,3 +66,39 @@ def verdict(row: SpreadRow) -> str:
     resolved = "resolved" if diff > spread else "not resolved"
     return (f"{line}; ours vs {best}: {row.speedup_vs_best_peer:.3f}x, a difference of "
             f"{diff:.1f}% against a spread of {spread:.1f}%: {resolved}")
+
+
+def engine_timer(start: Callable[[str, str], dict], label: str, log_stem: str, logs: str,
+                 on_timing: Callable[[dict], None] | None = None) -> Callable[[], list[float]]:
+    """A timer for common.time_in_rounds: each call starts one engine process, round r's, by
+    start(log_path, label) (an engine run's result with "timing") and returns its step times
+    (us); on_timing, if given, sees each timing."""
+    rounds = itertools.count()
+
+    def one_engine() -> list[float]:
+        r = next(rounds)
+        what = f"{label} round {r}"
+        log_path = os.path.join(logs, f"{log_stem}-round{r}.log")
+        common.log(f"{what}: starting (log {log_path})")
+        res = start(log_path, what)
+        if "timing" not in res:
+            raise RuntimeError(f"not timed: {res.get('timing_error', 'no timing')}")
+        t = res["timing"]
+        if on_timing is not None:
+            on_timing(t)
+        common.log(f"{what}: {t['step_us']:.0f} us per step ({t['decode_tokens_per_s']:.0f}"
+                   f" tokens/s; calls: {', '.join(f'{x:.0f}' for x in t['step_us_all'])};"
+                   f" engine start {res['engine_start_s']:.0f} s)")
+        return list(t["step_us_all"])
+
+    return one_engine
+
+
+def failure_recorder(skipped: dict[str, str]) -> Callable[[str, Exception], None]:
+    """common.time_in_rounds' `failed`: why a backend stopped, into `skipped`, and logged."""
+    def failed(key: str, e: Exception) -> None:
+        skipped[key] = common.short_error(e)
+        common.log(str(e) if isinstance(e, engines.EngineFailed) else skipped[key])
+
+    return failed
+
