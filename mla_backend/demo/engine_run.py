@@ -123,8 +123,10 @@ def _generate(llm, spec: dict) -> list[dict]:
 
 def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str) -> float:
     """Drive the engine step by step: once every request has its first token (prefill done),
-    each engine step returns one new token for each of them; the step time is the span
-    between the first and the last such step over their number. Prefill is not in it."""
+    each engine step gives each of them one new token. The step time is the span between the
+    first and the last engine step that returned the whole batch, over the tokens the slowest
+    request gained between them: a step whose outputs arrive in parts, or are not returned on
+    their own, still counts once. Prefill is not in it."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -133,7 +135,7 @@ def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str) -> float:
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     produced: dict[str, int] = {}
-    stamps = []
+    stamps = []  # (time, tokens of the request with the fewest)
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
@@ -141,10 +143,11 @@ def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str) -> float:
             produced[o.request_id] = len(o.outputs[0].token_ids)
         decoding = len(produced) == len(prompts) and min(produced.values()) >= 2
         if decoding and len(outs) == len(prompts):
-            stamps.append(now)
-    if len(stamps) < 3:
+            stamps.append((now, min(produced.values())))
+    (t0, n0), (t1, n1) = (stamps[0], stamps[-1]) if stamps else ((0.0, 0), (0.0, 0))
+    if len(stamps) < 3 or n1 - n0 < 2:
         raise RuntimeError(f"only {len(stamps)} whole-batch decode steps seen; raise steps")
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return (t1 - t0) / (n1 - n0)
 
 
 def _time_decode(llm, timing: dict) -> dict:

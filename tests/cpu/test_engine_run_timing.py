@@ -1,0 +1,66 @@
+"""The vLLM engine runner's decode-step timing (mla_backend.demo.engine_run._decode_step_s),
+driven by a fake engine whose steps take a known time: whole-batch steps, and steps whose
+outputs arrive in two parts."""
+
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from mla_backend.demo import engine_run  # noqa: E402
+
+STEP_S = 0.003
+
+
+class FakeEngine:
+    """`batch` requests: the first step prefills (one token each), every later step gives each
+    request one more token; steps listed in `split` return their outputs in two calls."""
+
+    def __init__(self, split=()):
+        self.split, self.reqs, self.clock, self.step_no, self.pending = set(split), {}, 0.0, 0, []
+
+    def add_request(self, rid, prompt, params):
+        self.reqs[rid] = (0, params.max_tokens)
+
+    def has_unfinished_requests(self):
+        return bool(self.pending) or any(n < m for n, m in self.reqs.values())
+
+    def _out(self, rid):
+        n = self.reqs[rid][0]
+        return types.SimpleNamespace(request_id=rid,
+                                     outputs=[types.SimpleNamespace(token_ids=[7] * n)])
+
+    def step(self):
+        if self.pending:  # the second part of a split step: no GPU time
+            outs, self.pending = self.pending, []
+            return outs
+        self.clock += STEP_S
+        self.step_no += 1
+        live = [r for r, (n, m) in self.reqs.items() if n < m]
+        for r in live:
+            n, m = self.reqs[r]
+            self.reqs[r] = (n + 1, m)
+        outs = [self._out(r) for r in live]
+        if self.step_no in self.split:
+            half = len(outs) // 2
+            outs, self.pending = outs[:half], outs[half:]
+        return outs
+
+
+@pytest.mark.parametrize("split", [(), (5, 9, 10, 17)])
+def test_step_time_counts_engine_steps_however_outputs_arrive(monkeypatch, split):
+    engine = FakeEngine(split)
+    monkeypatch.setattr(engine_run.time, "perf_counter", lambda: engine.clock)
+    llm = types.SimpleNamespace(llm_engine=engine)
+    prompts = [{"prompt_token_ids": [1, 2, 3]} for _ in range(4)]
+    got = engine_run._decode_step_s(llm, prompts, steps=24, tag="t")
+    assert got == pytest.approx(STEP_S)
+
+
+def test_too_few_decode_steps_is_an_error(monkeypatch):
+    engine = FakeEngine()
+    monkeypatch.setattr(engine_run.time, "perf_counter", lambda: engine.clock)
+    llm = types.SimpleNamespace(llm_engine=engine)
+    with pytest.raises(RuntimeError, match="whole-batch decode steps seen; raise steps"):
+        engine_run._decode_step_s(llm, [{"prompt_token_ids": [1]}] * 2, steps=1, tag="t")
