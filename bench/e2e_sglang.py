@@ -34,7 +34,6 @@ from mla_backend.demo import sglang_run
 BACKENDS = {"ours": "mla_backend", "flashmla": "flashmla", "flashinfer": "flashinfer",
             "triton": "triton"}
 DEFAULT_BACKENDS = ["ours", "flashmla"]
-DEFAULT_ROUNDS = e2e_spread.DEFAULT_ROUNDS
 # DeepSeek-V3.2: --kv-cache-dtype -> key -> SGLang's --attention-backend and, for its `dsa`,
 # the kernel of both phases (flashmla_sparse decodes a bf16 cache only; flashmla_kv on a bf16
 # cache quantizes the whole pool at every call)
