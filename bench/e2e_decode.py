@@ -174,8 +174,7 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow
     skipped: dict[str, str] = {}
     tokens_per_s: dict[str, list[float]] = {}
 
-    def timer(key: str):
-        spec = vllm_spec(args, model, key)
+    def timer(key: str, spec: dict):
         return e2e_spread.engine_timer(
             lambda log_path, label: engines.run_engine(spec, log_path, label=label,
                                                        timeout_s=900),
@@ -184,13 +183,13 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow
 
     timers = {}
     for key in args.backends:
-        name = vllm_spec(args, model, key)["backend"]
-        refused = vllm_refuses(name, args.kv_cache_dtype, vllm_version)
+        spec = vllm_spec(args, model, key)
+        refused = vllm_refuses(spec["backend"], args.kv_cache_dtype, vllm_version)
         if refused:
             skipped[key] = refused
-            common.log(f"H={heads} {name}: not started: {refused}")
+            common.log(f"H={heads} {spec['backend']}: not started: {refused}")
         else:
-            timers[key] = timer(key)
+            timers[key] = timer(key, spec)
     timings = common.time_in_rounds(timers, args.rounds, e2e_spread.failure_recorder(skipped))
     row = e2e_spread.assemble_row(config, timings, skipped)
     row.notes["ours"] = "tokens/s " + ", ".join(
