@@ -7,16 +7,7 @@ Env vars:
   MLA_BACKEND_CUTLASS_INCLUDE path to CUTLASS/CuTe headers (default: the nvidia-cutlass wheel)
   MLA_BACKEND_NVCC_FLAGS      extra nvcc flags, space-separated (experiment builds, e.g. -DNAME=1;
                               -DMLA_BACKEND_16BIT_PARTIALS=0 or 1: dense split partials in
-                              float32, or 16-bit unstaged; see csrc/splitkv/params.h;
-                              -DMLA_BACKEND_DENSE_P_STMATRIX=1: dense P stored by stmatrix;
-                              -DMLA_BACKEND_DENSE_KV_EVICT_FIRST=1: dense K/V TMA loads with an
-                              L2 evict-first hint; -DMLA_BACKEND_DENSE_MTILE_FAST=1: the dense
-                              grid's fast index is the m-tile; -DMLA_BACKEND_DENSE_MASK_FREE=1:
-                              the dense seesaw's pairs inside every row's key limit run without
-                              key tests, and the bf16/fp16 cache's softmax scale is applied in
-                              the exponent; -DMLA_BACKEND_DENSE_PIECE_RESTART=1: dense outputs
-                              staged for 16-byte stores, the next piece's Q by TMA under them;
-                              see csrc/wgmma/config.cuh)
+                              float32, or 16-bit unstaged; see csrc/splitkv/params.h)
   MAX_JOBS                    parallel nvcc jobs (ninja); default: number of CPUs
 """
 

@@ -10,41 +10,6 @@
 #include "common/mla_shapes.h"
 #include "splitkv/params.h"
 
-// Experiment builds of the dense sources (MLA_BACKEND_NVCC_FLAGS=-DNAME=1; 0, the default,
-// leaves the kernels as they are; docs/notes/2026-11-26-dense-p-stmatrix-evict-first.md):
-//   MLA_BACKEND_DENSE_P_STMATRIX=1     P goes to smem by stmatrix, as in the sparse kernels
-//                                      (Softmax::store_p), not by 16 scalar stores
-//   MLA_BACKEND_DENSE_KV_EVICT_FIRST=1 kPagedTma's K/V TMA loads carry an L2 evict-first hint
-//                                      (load_half in consumer.cuh)
-//   MLA_BACKEND_DENSE_MTILE_FAST=1     the dense grid is (m-tiles, CTAs): the m-tile is the
-//                                      fast block index, so the CTAs that read the same units
-//                                      (one per 64-row m-tile) launch together (launch.cuh)
-//   MLA_BACKEND_DENSE_MASK_FREE=1      the seesaw runs the pairs of pages that lie inside every
-//                                      row's key limit without the per-key tests; kPagedTma also
-//                                      takes the row max on raw S and applies the softmax scale
-//                                      in the exponent, one FFMA a value (consumer.cuh, Softmax)
-//   MLA_BACKEND_DENSE_PIECE_RESTART=1  a request piece ends and the next starts as in FlashMLA
-//                                      (consumer.cuh): whole-request outputs go out as staged
-//                                      16-byte rows like the split partials; kPagedTma stages
-//                                      both in K0 (idle after the last pair) and issues the next
-//                                      piece's Q by TMA before those stores (kPagedFp8 stages in
-//                                      sQ and keeps its cp.async Q)
-#ifndef MLA_BACKEND_DENSE_P_STMATRIX
-#define MLA_BACKEND_DENSE_P_STMATRIX 0
-#endif
-#ifndef MLA_BACKEND_DENSE_KV_EVICT_FIRST
-#define MLA_BACKEND_DENSE_KV_EVICT_FIRST 0
-#endif
-#ifndef MLA_BACKEND_DENSE_MTILE_FAST
-#define MLA_BACKEND_DENSE_MTILE_FAST 0
-#endif
-#ifndef MLA_BACKEND_DENSE_MASK_FREE
-#define MLA_BACKEND_DENSE_MASK_FREE 0
-#endif
-#ifndef MLA_BACKEND_DENSE_PIECE_RESTART
-#define MLA_BACKEND_DENSE_PIECE_RESTART 0
-#endif
-
 namespace mla_backend::wgmma {
 
 using splitkv::DecodeParams;
@@ -85,26 +50,18 @@ constexpr int kSplitProducerRegs = 504 - kSplitWg0Regs - kSplitWg1Regs;
 constexpr float kNoMax = -1e30f;  // running-max start: finite, so no inf - inf
 
 template <KeySource kSrc> constexpr bool kSparseOf = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;
-// P to smem by stmatrix (Softmax::store_p): the sparse sources; the dense ones in a
-// MLA_BACKEND_DENSE_P_STMATRIX build
-template <KeySource kSrc> constexpr bool kStmatrixPOf = kSparseOf<kSrc> || MLA_BACKEND_DENSE_P_STMATRIX != 0;
 // the partial O element type with output type T: the dense kernels' (splitkv::DensePartial),
 // float32 for the sparse sources
 template <typename T, KeySource kSrc>
 using PartialOf = std::conditional_t<kSparseOf<kSrc>, float, splitkv::DensePartial<T>>;
-// kPagedTma's K/V TMA loads with an L2 evict-first hint (a MLA_BACKEND_DENSE_KV_EVICT_FIRST build)
-constexpr bool kKvEvictFirst = MLA_BACKEND_DENSE_KV_EVICT_FIRST != 0;
-// blockIdx.x is the m-tile and blockIdx.y the plan's CTA (a MLA_BACKEND_DENSE_MTILE_FAST build,
-// dense sources only: they launch no clusters); otherwise the other way round
-template <KeySource kSrc> constexpr bool kMtileFastOf = !kSparseOf<kSrc> && MLA_BACKEND_DENSE_MTILE_FAST != 0;
-// The dense seesaw's pairs wholly inside every row's key limit run with no per-key test (a
-// MLA_BACKEND_DENSE_MASK_FREE build); the sparse sources keep their validity masks
-template <KeySource kSrc> constexpr bool kMaskFreeOf = !kSparseOf<kSrc> && MLA_BACKEND_DENSE_MASK_FREE != 0;
-// Row max on raw S, S * scale_log2 - m as one FFMA in the exponent (same build). kPagedTma
-// only: there the scale is the host-checked softmax scale (> 0, so the max of S * scale is
-// the max of S times scale, bit for bit); the fp8 source multiplies in kv_scale from device
-// memory, whose sign nothing checks
-template <KeySource kSrc> constexpr bool kFoldScaleOf = kSrc == KeySource::kPagedTma && MLA_BACKEND_DENSE_MASK_FREE != 0;
+// The dense seesaw's pairs wholly inside every row's key limit run with no per-key test;
+// the sparse sources keep their validity masks
+template <KeySource kSrc> constexpr bool kMaskFreeOf = !kSparseOf<kSrc>;
+// Row max on raw S, S * scale_log2 - m as one FFMA in the exponent. kPagedTma only: there the
+// scale is the host-checked softmax scale (> 0, so the max of S * scale is the max of S times
+// scale, bit for bit); the fp8 source multiplies in kv_scale from device memory, whose sign
+// nothing checks
+template <KeySource kSrc> constexpr bool kFoldScaleOf = kSrc == KeySource::kPagedTma;
 // every source but kPagedTma has a producer warpgroup that fills the K buffers
 template <KeySource kSrc> constexpr bool kProducedOf = kSrc != KeySource::kPagedTma;
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;
@@ -130,13 +87,13 @@ template <KeySource kSrc> constexpr bool kSplitOf = kSrc == KeySource::kSparseDs
 template <KeySource kSrc> constexpr bool kQTmaOf = kSrc == KeySource::kSparse16 || kSrc == KeySource::kSparseDsMla;
 constexpr int kQBar = 16;
 static_assert(2 * kFills <= kQBar && kQBar < 18, "the Q mbarrier must not overlap the fills'");
-// Dense sources in a MLA_BACKEND_DENSE_PIECE_RESTART build: whole-request outputs staged for
-// 16-byte stores (store_rows_staged), as the split partials are
-template <KeySource kSrc> constexpr bool kDenseStagedOutOf = !kSparseOf<kSrc> && MLA_BACKEND_DENSE_PIECE_RESTART != 0;
+// Dense sources: whole-request outputs staged for 16-byte stores (store_tile_staged), as the
+// split partials are
+template <KeySource kSrc> constexpr bool kDenseStagedOutOf = !kSparseOf<kSrc>;
 // ... and kPagedTma's Q by TMA (make_dense_q_maps; cp.async where dense_q_by_tma says no),
 // each piece's issued by the previous piece's epilogue. Its mbarrier is the 19th: kPagedTma's
 // 18 chunk barriers take ids 0-17, and it uses none of the sparse key-mask words after them.
-template <KeySource kSrc> constexpr bool kDenseQTmaOf = kSrc == KeySource::kPagedTma && MLA_BACKEND_DENSE_PIECE_RESTART != 0;
+template <KeySource kSrc> constexpr bool kDenseQTmaOf = kSrc == KeySource::kPagedTma;
 constexpr int kDenseQBar = 18;
 
 // Named barriers (id 0 is __syncthreads): both warpgroups, 256 threads ...

@@ -72,7 +72,7 @@ struct SeesawCta {
   const bool& wg_leader;  // wtid == 0
   const uint32_t& peer_delta;  // kPaired: the peer CTA's shared::cluster address of x is x + peer_delta
   const float& scale_log2;     // the softmax scale in the log2 domain (times kv_scale)
-  const int& cta;              // the plan's CTA: blockIdx.x (blockIdx.y where kMtileFastOf)
+  const int& cta;              // the plan's CTA: blockIdx.x
   const int& row0;             // the first row of the CTA's tile
   const int& u_begin;          // the CTA's units [u_begin, u_end), U per CTA
   const int& u_end;
@@ -168,13 +168,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     for (int c = c0; c < c1; ++c) {
       const uint32_t bar = bars + (9 * b + c) * 8;
       ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(bar), kChunkBytes);
-      if constexpr (kKvEvictFirst) {  // CuTe's TMA load takes the hint as its cache-policy operand
-        cute::SM90_TMA_LOAD_3D::copy(&kv_map, smem_ptr<uint64_t>(bar),
-                                     static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST),
-                                     smem_ptr(sKbuf(b) + c * kChunkBytes), c * 64, 0, blk);
-      } else {
-        tma_load_3d(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, 0, blk, bar);
-      }
+      tma_load_3d(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, 0, blk, bar);
     }
   };
   // half h of buffer b is no longer read by this warpgroup (its wgmmas retired): kPagedTma,
@@ -399,15 +393,10 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     // warpgroup announces its max as soon as it is published, and warpgroup 1 takes its row
     // maxima before it waits: each wait sits on the chain that ends in K0 right's refill
     // (sparse prefill H = 128 -6% in cycles, dense decode up to -6.5%, against waits on both).
-    // Pair: page pa_ (warpgroup 0), pa_ + 1 (warpgroup 1); kMask = false: no key test. A lambda
-    // only where it is compiled twice (MLA_BACKEND_DENSE_MASK_FREE): it alone reorders the SASS
-#if MLA_BACKEND_DENSE_MASK_FREE
+    // Pair: page pa_ (warpgroup 0), pa_ + 1 (warpgroup 1); kMask = false: no key test (the
+    // dense sources compile it both ways, see kMaskFreeOf)
     auto pair = [&](int pa_, auto mask_c) {
       constexpr bool kMask = decltype(mask_c)::value;
-#else
-    for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
-      constexpr bool kMask = true;
-#endif
       if (wtid == 0 && wg == 0) {
         const int k = 8 + (u - u_begin + pa_ - pg_begin) / 2;
         if (k < 56) TL(k);
@@ -524,7 +513,6 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
           fence_regs<32>(s);
         }
       }
-#if MLA_BACKEND_DENSE_MASK_FREE
     };
     if constexpr (kMaskFreeOf<kSrc>) {  // the untested pairs, then those at the request end (<= 2)
       int pa_ = pg_begin;
@@ -534,9 +522,6 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     } else {
       for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) pair(pa_, std::true_type{});
     }
-#else
-    }
-#endif
 
     }  // seesaw schedule
 
@@ -614,29 +599,19 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       const int64_t orow0 = int64_t(r) * p.rows + row0;
       store_tile_staged(o, lt, mt, kv_scale, smem, base, stage, wg, wtid, lane, wrow, qd,
                         static_cast<T*>(p.out) + orow0 * kDv, p.lse + orow0, p.rows - row0, consumers_sync);
-    } else {
+    } else {  // split partials stored from the accumulator layout (sparse; dense float32 partials)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + wrow + hr * 8;
       if (row >= p.rows) continue;
       const float inv_l = lt[hr] != 0.f ? kv_scale / lt[hr] : 0.f;  // kv_scale: O = kv_scale * P.v8
       const float lse_row = lt[hr] != 0.f ? (mt[hr] + __log2f(lt[hr])) * kLn2 : -INFINITY;
-      if (!split) {
-        T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv + wg * 256;
+      const int64_t prow = (int64_t(cta) * 2 + slot) * p.rows + row;
+      PartialOf<T, kSrc>* po = static_cast<PartialOf<T, kSrc>*>(p.part_out) + prow * kDv + wg * 256;
 #pragma unroll
-        for (int n = 0; n < 32; ++n) {
-          *reinterpret_cast<uint32_t*>(out + n * 8 + qd * 2) =
-              pack2<T>(o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
-        }
-        if (wg == 0 && qd == 0) p.lse[int64_t(r) * p.rows + row] = lse_row;
-      } else {
-        const int64_t prow = (int64_t(cta) * 2 + slot) * p.rows + row;
-        PartialOf<T, kSrc>* po = static_cast<PartialOf<T, kSrc>*>(p.part_out) + prow * kDv + wg * 256;
-#pragma unroll
-        for (int n = 0; n < 32; ++n)
-          splitkv::store_partial2(po + n * 8 + qd * 2, o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
-        if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
-      }
+      for (int n = 0; n < 32; ++n)
+        splitkv::store_partial2(po + n * 8 + qd * 2, o[n * 4 + hr * 2] * inv_l, o[n * 4 + hr * 2 + 1] * inv_l);
+      if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
     }
     }  // staged or direct stores
     consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers: the stage) are reused by the next piece

@@ -214,29 +214,16 @@ struct Softmax {
     }
   }
   __device__ __forceinline__ void store_p(uint32_t dst, const uint32_t (*pa)[4]) {
-    if constexpr (kStmatrixPOf<kSrc>) {
-      // one stmatrix per k16 step for its four 8x8 matrices (rows +0 / +8, columns +0 / +8:
-      // the A-fragment order): lane l gives the address of row l % 16, columns 8 (l / 16).
-      // 4 instructions instead of 16 scalar stores, on the path to the other warpgroup's PV
-      // (the dense kernels keep the scalar stores unless MLA_BACKEND_DENSE_P_STMATRIX)
-      const int prow = (wtid >> 5) * 16 + (lane & 15);
+    // one stmatrix per k16 step for its four 8x8 matrices (rows +0 / +8, columns +0 / +8: the
+    // A-fragment order): lane l gives the address of row l % 16, columns 8 (l / 16). 4
+    // instructions instead of 16 scalar stores, on the path to the other warpgroup's PV
+    const int prow = (wtid >> 5) * 16 + (lane & 15);
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const uint32_t addr = dst + sw128_offset(prow, ks * 16 + (lane >> 4) * 8);
-        cute::SM90_U32x4_STSM_N::copy(pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3], *smem_ptr<cute::uint128_t>(addr));
-      }
-      cutlass::arch::fence_view_async_shared();
-    } else {
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const int col = ks * 16 + qd * 2;
-        *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow, col)) = pa[ks][0];
-        *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow + 8, col)) = pa[ks][1];
-        *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow, col + 8)) = pa[ks][2];
-        *reinterpret_cast<uint32_t*>(smem + (dst - base) + sw128_offset(wrow + 8, col + 8)) = pa[ks][3];
-      }
-      cutlass::arch::fence_view_async_shared();
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint32_t addr = dst + sw128_offset(prow, ks * 16 + (lane >> 4) * 8);
+      cute::SM90_U32x4_STSM_N::copy(pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3], *smem_ptr<cute::uint128_t>(addr));
     }
+    cutlass::arch::fence_view_async_shared();
   }
   // the running max after this warpgroup's unit (row maxima rmax): new max and the factor that
   // rescales what came before, published for the other warpgroup (sM and sScale)

@@ -18,13 +18,10 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   auto kernel = decode_wgmma_kernel<T, kSrc, kPaired, kPrefetch>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   const int m_tiles = (p.rows + kRows - 1) / kRows;
-  // kMtileFastOf: the m-tile is the fast block index, so the m_tiles CTAs that read the same
-  // units launch one after another (block ids c * m_tiles + t, not t * num_ctas + c)
-  static_assert(!kMtileFastOf<kSrc> || !kPaired, "clusters group the row tiles along y");
-  const dim3 grid = kMtileFastOf<kSrc> ? dim3(m_tiles, p.num_ctas) : dim3(p.num_ctas, m_tiles);
+  const dim3 grid(p.num_ctas, m_tiles);  // (the plan's CTA, the row tile)
   STD_TORCH_CHECK(!kPaired || m_tiles == 2, "mla_decode: a paired launch needs exactly two row tiles");
   CUtensorMap kv_map{};  // the producer sources copy keys without a tensor map
-  QMaps q_maps{};        // the dense sources copy Q without tensor maps (but see kDenseQTmaOf)
+  QMaps q_maps{};        // kPagedFp8 copies Q without tensor maps
   if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
   if constexpr (kQTmaOf<kSrc>) q_maps = make_q_maps(p, kRows);
   if constexpr (kDenseQTmaOf<kSrc>) {  // otherwise the kernel copies Q with cp.async (dense_q_by_tma)

@@ -1,9 +1,8 @@
 // A 64-row tile of O written as 16-bit rows through shared memory: from the wgmma accumulator
 // layout each 4-byte global store would span 8 rows (8 lines per instruction); staged, the 256
 // consumer threads store 16 contiguous bytes each. Used for dense split partials in a build
-// with staged 16-bit partials (splitkv::kStagedPartials) and, in a kDenseStagedOutOf build,
-// for dense whole-request outputs (store_tile_staged); the sparse kernels' whole-request out
-// (consumer.cuh) stages the same way.
+// with staged 16-bit partials (splitkv::kStagedPartials) and for dense whole-request outputs
+// (store_tile_staged); the sparse kernels' whole-request out (consumer.cuh) stages the same way.
 #pragma once
 
 #include <cute/arch/copy_sm90.hpp>
