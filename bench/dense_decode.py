@@ -6,6 +6,7 @@ Run on the GPU machine from the repository root (vLLM's kernels come from /opt/v
                                                          [--no-flashinfer] [--peers ...]
                                                          [--fp8 | --fp8-only]
                                                          [--min-tokens-per-cta N]
+                                                         [--mma-max-rows N]
 
 Kernels (bf16 cache [num_blocks, 64, 576], int32 block table / seq lens, causal, varlen):
   ours            mla_backend.ops.plan_decode + mla_decode
@@ -85,6 +86,9 @@ bf16 file (--out DIR: in DIR; --fp8-only --out FILE: FILE), with its own table a
 Bench only: --min-tokens-per-cta N plans ours with at least N keys per CTA instead of the
 library's cost_model.MIN_TOKENS_PER_CTA (plan_decode's _min_tokens_per_cta), to sweep the split
 minimum in one call; the results file records it as min_tokens_per_cta (null: the default).
+--mma-max-rows N runs ours on the mma.sync kernel up to N query rows (s_q * H) instead of the
+library's cost_model.MMA_MAX_ROWS (16), and on the wgmma kernel above (0: wgmma for every row),
+recorded as mma_max_rows (null: the default).
 
 Exit status: 0; 1 if ours failed the correctness gate in some row; 2 if the run stopped early.
 """
@@ -377,12 +381,14 @@ def run_matrix(matrix: dict[str, tuple[int, ...]], kernels: list[str],
 
 
 def results_extra(kernels: list[str], metadata: dict[str, str],
-                  min_tokens_per_cta: int | None = None) -> dict[str, object]:
+                  min_tokens_per_cta: int | None = None,
+                  mma_max_rows: int | None = None) -> dict[str, object]:
     """The results file's top-level description of the per-layer figures, and ours' split
-    minimum where --min-tokens-per-cta replaced the library's."""
+    minimum and kernel choice where --min-tokens-per-cta / --mma-max-rows replaced the
+    library's."""
     return {"layers_per_step": LAYERS_PER_STEP,
             "per_step_metadata": {k: metadata[k] for k in kernels if k in metadata},
-            "min_tokens_per_cta": min_tokens_per_cta}
+            "min_tokens_per_cta": min_tokens_per_cta, "mma_max_rows": mma_max_rows}
 
 
 def report(rows: list[BenchRow], kernels: list[str], copy_bw: float | None, out_path: Path,
@@ -432,7 +438,7 @@ def fp8_decode_block(args: argparse.Namespace, copy_bw: float | None = None) -> 
         common.write_results(out_path, job=JOB_FP8, gpu=gpu, date=date, commit=commit,
                              copy_bw_gbs=copy_bw, rows=rows,
                              extra=results_extra(kernels, FP8_PER_STEP_METADATA,
-                                                 args.min_tokens_per_cta))
+                                                 args.min_tokens_per_cta, args.mma_max_rows))
 
     ours_bad, status = run_matrix(m, kernels, FP8_BUILDERS, args, copy_bw, rows, save,
                                   fp8=True)
@@ -502,12 +508,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-tokens-per-cta", type=int, default=None, metavar="N",
                     help="bench only: plan ours with at least N keys per CTA instead of the "
                          "library's MIN_TOKENS_PER_CTA (to sweep the split minimum)")
+    ap.add_argument("--mma-max-rows", type=int, default=None, metavar="N",
+                    help="bench only: ours on the mma.sync kernel up to N query rows (s_q * H), "
+                         "the wgmma kernel above, instead of the library's MMA_MAX_ROWS (16); "
+                         "0: the wgmma kernel for every row")
     ap.add_argument("--verbose", action="store_true", help="tracebacks for failures")
     args = ap.parse_args(argv)
     if args.rounds < 0:
         ap.error(f"--rounds must be >= 1 (or 0: one per kernel); got {args.rounds}")
     if args.min_tokens_per_cta is not None and args.min_tokens_per_cta < 1:
         ap.error(f"--min-tokens-per-cta must be >= 1; got {args.min_tokens_per_cta}")
+    if args.mma_max_rows is not None and not 0 <= args.mma_max_rows <= 16:
+        ap.error(f"--mma-max-rows must be in [0, 16] (the mma.sync kernel's tile is 16 rows); "
+                 f"got {args.mma_max_rows}")
     peers = [p for p in args.peers.split(",") if p]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -573,6 +586,12 @@ def main(argv: list[str] | None = None) -> int:
 
         log(f"ours planned with at least {args.min_tokens_per_cta} keys per CTA "
             f"(--min-tokens-per-cta; the library's minimum is {MIN_TOKENS_PER_CTA})")
+    if args.mma_max_rows is not None:
+        from mla_backend.ops import cost_model
+
+        log(f"ours on the mma.sync kernel up to {args.mma_max_rows} query rows, the wgmma "
+            f"kernel above (--mma-max-rows; the library's is {cost_model.MMA_MAX_ROWS})")
+        cost_model.MMA_MAX_ROWS = args.mma_max_rows  # read by every plan made after this
     if not args.fp8_only:
         log(f"matrix: H {m['H']} x s_q {m['s_q']} x batch {m['batch']} x seq_len "
             f"{m['seq_len']}; kernels: {', '.join(args.kernels)}; results -> {out_path}")
@@ -592,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
             common.write_results(out_path, job=JOB, gpu=gpu, date=date, commit=commit,
                                  copy_bw_gbs=copy_bw, rows=rows,
                                  extra=results_extra(args.kernels, PER_STEP_METADATA,
-                                                     args.min_tokens_per_cta))
+                                                     args.min_tokens_per_cta,
+                                                     args.mma_max_rows))
 
         ours_bad, status = run_matrix(m, args.kernels, BUILDERS, args, copy_bw, rows, save)
         save()

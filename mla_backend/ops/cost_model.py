@@ -1,7 +1,8 @@
 """The measured costs the planners schedule by.
 
 A plan spreads work units (32 or 64 keys of a dense request, 64 index entries of a sparse
-one) over one wave of CTAs. Two rules come from measurements: every CTA gets at least
+one) over one wave of CTAs; dense decode picks its kernel by the query rows (MMA_MAX_ROWS).
+Two rules come from measurements: every CTA gets at least
 MIN_TOKENS_PER_CTA keys of work, and a sparse plan of equal-length requests rounds each CTA's
 share up to whole requests (no request split over CTAs, so no merge kernel) when that costs
 less than the split would.
@@ -14,6 +15,14 @@ from ._common import D_V
 # Swept on the H200 for dense decode: 64 helped batch 1 at 1k keys but hurt it at 16k, and 256
 # hurt batch 1 at every length.
 MIN_TOKENS_PER_CTA = 128
+
+# Dense decode runs the mma.sync kernel (16-row tiles, two CTAs per SM) up to this many query
+# rows (s_q * H) and the wgmma kernel (64-row tiles) above; read at each plan. 0 puts every
+# row count on the wgmma kernel (bench/dense_decode.py --mma-max-rows 0): on the H100
+# (2026-11-24) H 16 at s_q 2, 32 rows on the wgmma kernel, ran faster than H 16 at s_q 1 on the
+# mma.sync kernel on most rows, the same cache bytes read. Set it before making a workspace:
+# a workspace's buffers are sized for the kernel chosen then.
+MMA_MAX_ROWS = 16
 
 # Measured on the H100 for sparse decode: splitting a request over CTAs (a partial write per
 # CTA, the merge kernel's launch and read) costs about 4 units of one CTA's time on a bf16

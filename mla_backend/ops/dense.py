@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _extension
+from . import cost_model
 from ._common import (
     D_QK,
     D_V,
@@ -68,10 +69,11 @@ class DecodePlan:
 def _tile(rows: int) -> tuple[int, int, int]:
     """(rows per CTA, tokens per work unit, CTAs per SM) of the kernel serving `rows` query
     rows, for a 16-bit and a per-tensor fp8 cache alike (both kernels convert fp8 pages in
-    shared memory). Up to 16 rows: the mma.sync kernel, so few heads (TP8 / TP16) pay for no
-    padded rows (16-row tiles, two CTAs per SM); more: the wgmma kernel, 64-row tiles, one
-    64-token page per unit. Must agree with the kernels' shared memory."""
-    if rows <= 16:
+    shared memory). Up to cost_model.MMA_MAX_ROWS (16) rows: the mma.sync kernel, 16-row
+    tiles with no padded rows for few heads (TP8 / TP16), two CTAs per SM; more: the wgmma
+    kernel, 64-row tiles, one 64-token page per unit. Must agree with the kernels' shared
+    memory."""
+    if rows <= min(cost_model.MMA_MAX_ROWS, 16):
         return 16, 32, 2
     return 64, 64, 1
 

@@ -205,3 +205,18 @@ def test_min_tokens_per_cta_is_a_bench_option_recorded_in_the_results(tmp_path):
                                    extra=dd.results_extra(["ours"], dd.PER_STEP_METADATA, value))
         assert json.loads(path.read_text())["min_tokens_per_cta"] == value == \
             doc["min_tokens_per_cta"]
+
+
+def test_mma_max_rows_is_a_bench_option_recorded_in_the_results(tmp_path):
+    assert dd.parse_args([]).mma_max_rows is None
+    assert dd.parse_args(["--mma-max-rows", "0"]).mma_max_rows == 0
+    for bad in ("-1", "17"):
+        with pytest.raises(SystemExit):
+            dd.parse_args(["--mma-max-rows", bad])
+    path = tmp_path / "dense.json"
+    for value in (None, 0):
+        common.write_results(path, job=dd.JOB, gpu="test", date="2026-11-26", commit="x",
+                             copy_bw_gbs=None, rows=[],
+                             extra=dd.results_extra(["ours"], dd.PER_STEP_METADATA, None, value))
+        assert json.loads(path.read_text())["mma_max_rows"] == value
+

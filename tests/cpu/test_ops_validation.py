@@ -349,6 +349,19 @@ def test_dense_grid_worked_by_hand(rows, sms, want):
     assert ops._grid(rows, sms) == want
 
 
+@pytest.mark.parametrize("limit,rows,want", [
+    (0, 1, (64, 64, 132)), (0, 16, (64, 64, 132)),   # every row count on the wgmma kernel
+    (8, 8, (16, 32, 264)), (8, 9, (64, 64, 132)),
+    (16, 16, (16, 32, 264)), (16, 17, (64, 64, 132)),
+])
+def test_dense_kernel_choice_follows_mma_max_rows(monkeypatch, limit, rows, want):
+    # cost_model.MMA_MAX_ROWS (bench/dense_decode.py --mma-max-rows) is read at each plan
+    from mla_backend.ops import cost_model
+
+    monkeypatch.setattr(cost_model, "MMA_MAX_ROWS", limit)
+    assert ops._grid(rows, 132) == want
+
+
 @pytest.mark.parametrize("sms", [132, 114])
 def test_grids_fill_one_wave(sms):
     # for every row count: all CTAs of all row tiles are resident at once (one wave: the

@@ -318,6 +318,22 @@ def _check_fp8(lens, s_q, heads, dtype=torch.bfloat16, scale_as_tensor=False, st
              kv_scale=kv_scale)
 
 
+# rows = s_q * H <= 16 on the wgmma kernel (cost_model.MMA_MAX_ROWS = 0, the benchmark's
+# --mma-max-rows 0): one 64-row tile, most of it padding rows that are never stored; the
+# Q tensor maps' boxes run past the query tensor and read zeros there
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("heads,s_q", [(1, 1), (2, 3), (8, 1), (8, 2), (16, 1), (4, 4)])
+def test_few_rows_on_the_wgmma_kernel(monkeypatch, heads, s_q, kv_fp8):
+    from mla_backend.ops import cost_model
+
+    monkeypatch.setattr(cost_model, "MMA_MAX_ROWS", 0)
+    lens = [1, 37, 700, 0, 2049, 64]
+    if kv_fp8:
+        _check_fp8(lens, s_q, heads)
+    else:
+        assert _check(lens, s_q, heads).rows_per_cta == 64
+
+
 # rows = s_q * H <= 16: the mma.sync kernel; more: the wgmma kernel's fp8 producer
 @pytest.mark.parametrize("heads", [1, 16, 20, 64, 128])
 @pytest.mark.parametrize("s_q", range(1, 9))
