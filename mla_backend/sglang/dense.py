@@ -131,7 +131,7 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
                                         forward_batch.extend_seq_lens)
         columns = metadata.pages_for(self._max_keys(forward_batch.seq_lens_cpu, bs, s_q, mode))
         table = metadata.fill_page_table(self.req_to_token, forward_batch.req_pool_indices,
-                                         key_lens, self._eager_table(bs, columns))
+                                         self._eager_table(bs, columns))
         self.forward_metadata = DecodeMetadata(self._plan(key_lens, s_q), table, key_lens)
         return None
 
@@ -163,10 +163,9 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
         bs = forward_batch.batch_size
         s_q = metadata.query_tokens(mode, self.num_draft_tokens)
         # graph batches of draft-extend v2 carry the padded query window in seq_lens
-        key_lens = metadata.key_lengths(mode, forward_batch.seq_lens[:bs], self.num_draft_tokens,
-                                        window_in_seq_lens=True)
-        static_lens = self._graph_key_lens[:bs]
-        static_lens.copy_(key_lens)
+        static_lens = metadata.key_lengths(mode, forward_batch.seq_lens[:bs],
+                                           self.num_draft_tokens, window_in_seq_lens=True,
+                                           out=self._graph_key_lens[:bs])
         # The kernel sees the full-width table (a graph keeps the shape it was captured with);
         # only the columns this step can read are refreshed.
         table = self._graph_page_table[:bs]
@@ -174,7 +173,7 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
         columns = min(table.shape[1], metadata.pages_for(
             self._max_keys(seq_lens_cpu, bs, s_q, mode)))
         metadata.fill_page_table(self.req_to_token, forward_batch.req_pool_indices,
-                                 static_lens, table[:, :columns])
+                                 table[:, :columns])
         self.forward_metadata = DecodeMetadata(self._plan(static_lens, s_q), table, static_lens)
         return None
 

@@ -30,8 +30,9 @@ def query_tokens(mode, num_draft_tokens: int | None) -> int:
 
 def key_lengths(mode, seq_lens: torch.Tensor, num_draft_tokens: int | None,
                 extend_seq_lens: torch.Tensor | None = None,
-                window_in_seq_lens: bool = False) -> torch.Tensor:
-    """Keys each request attends to (int32 [bs]), its query tokens included.
+                window_in_seq_lens: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys each request attends to (int32 [bs]), its query tokens included; written into
+    `out` (int32 [bs]) when given, by one kernel on the decode path.
 
     decode: seq_lens. target-verify: seq_lens + num_draft_tokens (SGLang's seq_lens exclude
     the draft tokens). draft-extend v2: every request's query is a fixed window of
@@ -50,6 +51,8 @@ def key_lengths(mode, seq_lens: torch.Tensor, num_draft_tokens: int | None,
             lens = seq_lens - extend_seq_lens + num_draft_tokens
     else:
         raise ValueError(f"{mode} does not run on the decode kernel")
+    if out is not None:
+        return out.copy_(lens)  # the cast to int32 included
     return lens.to(torch.int32)
 
 
@@ -59,16 +62,14 @@ def pages_for(max_keys: int) -> int:
 
 
 def fill_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                    key_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write the page ids of each request's keys into out (int32 [bs, columns]): column j of
-    row r is req_to_token[req_pool_indices[r], 64 j] // 64 while 64 j < key_lens[r], else 0
-    (a valid page the kernel never reads). Returns out."""
+                    out: torch.Tensor) -> torch.Tensor:
+    """Write the page ids of each request's table row into out (int32 [bs, columns]): column j
+    of row r is req_to_token[req_pool_indices[r], 64 j] // 64. Past a request's keys that is
+    whatever its table row holds there, and columns past the table's width are not written:
+    the decode kernels read no page past a request's keys. Two kernels a step (the gather and
+    the division), as few as the decode graph's metadata can take. Returns out."""
     bs, columns = out.shape
-    first_pos = torch.arange(columns, device=out.device, dtype=torch.int64) * PAGE_SIZE
-    rows = req_pool_indices[:bs].to(torch.int64).unsqueeze(1)
-    # columns past the request table's width are beyond every key length: read column 0
-    cols = torch.where(first_pos < req_to_token.shape[1], first_pos, 0).unsqueeze(0)
-    slots = req_to_token[rows, cols]
-    used = first_pos.unsqueeze(0) < key_lens[:bs].to(torch.int64).unsqueeze(1)
-    out.copy_(torch.where(used, torch.div(slots, PAGE_SIZE, rounding_mode="floor"), 0))
+    width = min(columns, -(-req_to_token.shape[1] // PAGE_SIZE))
+    firsts = req_to_token[:, :width * PAGE_SIZE:PAGE_SIZE]  # each page's first token: a view
+    torch.floor_divide(firsts[req_pool_indices[:bs]], PAGE_SIZE, out=out[:, :width])
     return out

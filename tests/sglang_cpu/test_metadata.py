@@ -22,9 +22,12 @@ def _req_to_token() -> torch.Tensor:
 
 
 def _table(req_pool_indices, key_lens, columns):
+    """The page table's columns that the kernels read (those holding a request's keys);
+    None in a column they never read."""
     out = torch.full((len(req_pool_indices), columns), -7, dtype=torch.int32)
-    return metadata.fill_page_table(_req_to_token(), torch.tensor(req_pool_indices),
-                                    torch.tensor(key_lens, dtype=torch.int32), out)
+    metadata.fill_page_table(_req_to_token(), torch.tensor(req_pool_indices), out)
+    return [[page if 64 * j < n else None for j, page in enumerate(row)]
+            for row, n in zip(out.tolist(), key_lens, strict=True)]
 
 
 def test_decode_lengths_and_pages():
@@ -32,8 +35,8 @@ def test_decode_lengths_and_pages():
     lens = metadata.key_lengths(ForwardMode.DECODE, seq_lens, None)
     assert lens.dtype == torch.int32 and lens.tolist() == [130, 64]
     assert metadata.query_tokens(ForwardMode.DECODE, None) == 1
-    # 130 keys: three pages; 64 keys: exactly one page (the second is not read: 0)
-    assert _table([2, 0], lens.tolist(), 3).tolist() == [[7, 3, 9], [5, 0, 0]]
+    # 130 keys: three pages; 64 keys: exactly one page (the second is not read)
+    assert _table([2, 0], lens.tolist(), 3) == [[7, 3, 9], [5, None, None]]
 
 
 def test_target_verify_adds_the_draft_tokens():
@@ -42,9 +45,9 @@ def test_target_verify_adds_the_draft_tokens():
     lens = metadata.key_lengths(ForwardMode.TARGET_VERIFY, torch.tensor([126, 61]), 3)
     assert lens.tolist() == [129, 64]
     assert metadata.query_tokens(ForwardMode.TARGET_VERIFY, 3) == 3
-    assert _table([2, 0], lens.tolist(), 3).tolist() == [[7, 3, 9], [5, 0, 0]]
+    assert _table([2, 0], lens.tolist(), 3) == [[7, 3, 9], [5, None, None]]
     # one more key: the second page of pool slot 0 appears
-    assert _table([2, 0], [129, 65], 3).tolist() == [[7, 3, 9], [5, 11, 0]]
+    assert _table([2, 0], [129, 65], 3) == [[7, 3, 9], [5, 11, None]]
 
 
 def test_draft_extend_window():
@@ -62,23 +65,26 @@ def test_padded_graph_rows():
     # A graph captured for 4 requests replays 2: the padded rows come with seq_len 1 (the
     # backend's fill value) and pool slot 0; they read one valid page and nothing else.
     lens = metadata.key_lengths(ForwardMode.DECODE, torch.tensor([130, 64, 1, 1]), None)
-    assert _table([2, 0, 0, 0], lens.tolist(), 3).tolist() == [
-        [7, 3, 9], [5, 0, 0], [5, 0, 0], [5, 0, 0]]
+    assert _table([2, 0, 0, 0], lens.tolist(), 3) == [
+        [7, 3, 9], [5, None, None], [5, None, None], [5, None, None]]
 
 
 def test_columns_past_the_request_table():
     # the graph buffer holds pages_for(context + draft) columns, one more than the request
-    # table's 256 positions: that column is never used and must not index out of range
+    # table's 256 positions: that column is never read, never indexed and not written
     assert metadata.pages_for(256 + 8) == 5
-    assert _table([2], [192], 5).tolist() == [[7, 3, 9, 0, 0]]
+    assert _table([2], [192], 5) == [[7, 3, 9, None, None]]
+    out = torch.full((1, 5), -7, dtype=torch.int32)
+    metadata.fill_page_table(_req_to_token(), torch.tensor([2]), out)
+    assert out[0, 4] == -7
 
 
 def test_only_the_requested_rows_and_columns_are_written():
     # the graph path refreshes table[:, :columns] of a wider static buffer
     static = torch.full((3, 4), -7, dtype=torch.int32)
-    metadata.fill_page_table(_req_to_token(), torch.tensor([2, 0]),
-                             torch.tensor([130, 64], dtype=torch.int32), static[:2, :3])
-    assert static.tolist() == [[7, 3, 9, -7], [5, 0, 0, -7], [-7, -7, -7, -7]]
+    metadata.fill_page_table(_req_to_token(), torch.tensor([2, 0]), static[:2, :3])
+    assert static[:, 3].tolist() == [-7, -7, -7] and static[2].tolist() == [-7] * 4
+    assert static[0, :3].tolist() == [7, 3, 9] and static[1, 0] == 5
 
 
 def test_matches_the_page_rule_on_a_random_paged_allocation():
@@ -92,11 +98,39 @@ def test_matches_the_page_rule_on_a_random_paged_allocation():
             table[s, 64 * j:64 * (j + 1)] = perm[s * 8 + j] * 64 + torch.arange(64)
     req = torch.tensor([4, 1, 5, 0])
     lens = torch.tensor([1, 64, 65, 512], dtype=torch.int32)
-    out = metadata.fill_page_table(table, req, lens, torch.empty(4, 8, dtype=torch.int32))
+    out = metadata.fill_page_table(table, req, torch.empty(4, 8, dtype=torch.int32))
     for r in range(4):
         used = -(-int(lens[r]) // 64)
-        want = [int(perm[int(req[r]) * 8 + j]) for j in range(used)] + [0] * (8 - used)
-        assert out[r].tolist() == want
+        want = [int(perm[int(req[r]) * 8 + j]) for j in range(used)]
+        assert out[r, :used].tolist() == want
+
+
+def test_graph_metadata_is_three_kernels():
+    # the decode graph's metadata runs before every replay: the key lengths into the static
+    # buffer (one copy with the cast) and the page table (a gather and a division)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    VIEWS = {"aten::slice", "aten::view", "aten::as_strided", "aten::alias", "aten::select"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name not in VIEWS:  # views launch nothing
+                self.names.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    req_to_token, req, seq_lens = _req_to_token(), torch.tensor([2, 0]), torch.tensor([130, 64])
+    static_lens = torch.zeros(4, dtype=torch.int32)
+    table = torch.zeros(4, 5, dtype=torch.int32)
+    with Ops() as ops:
+        lens = metadata.key_lengths(ForwardMode.DECODE, seq_lens, None, out=static_lens[:2])
+        metadata.fill_page_table(req_to_token, req, table[:2, :4])
+    assert lens.data_ptr() == static_lens.data_ptr() and lens.tolist() == [130, 64]
+    assert table[0, :3].tolist() == [7, 3, 9]
+    assert ops.names == ["aten::copy_", "aten::index", "aten::floor_divide"], ops.names
 
 
 def test_modes_outside_the_decode_kernel_are_refused():
