@@ -19,6 +19,7 @@ imported into the engine's process before the engine is built (see _preload).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -126,7 +127,9 @@ def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str) -> float:
     each engine step gives each of them one new token. The step time is the span between the
     first and the last engine step that returned the whole batch, over the tokens the slowest
     request gained between them: a step whose outputs arrive in parts, or are not returned on
-    their own, still counts once. Prefill is not in it."""
+    their own, still counts once. Prefill is not in it. Python's garbage collector is off
+    while the steps run (after one collection), as timeit does: a collection of the engine's
+    large heap inside the timed span would be charged to the backend under test."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -136,14 +139,21 @@ def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str) -> float:
         engine.add_request(f"{tag}-{i}", prompt, params)
     produced: dict[str, int] = {}
     stamps = []  # (time, tokens of the request with the fewest)
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            produced[o.request_id] = len(o.outputs[0].token_ids)
-        decoding = len(produced) == len(prompts) and min(produced.values()) >= 2
-        if decoding and len(outs) == len(prompts):
-            stamps.append((now, min(produced.values())))
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                produced[o.request_id] = len(o.outputs[0].token_ids)
+            decoding = len(produced) == len(prompts) and min(produced.values()) >= 2
+            if decoding and len(outs) == len(prompts):
+                stamps.append((now, min(produced.values())))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     (t0, n0), (t1, n1) = (stamps[0], stamps[-1]) if stamps else ((0.0, 0), (0.0, 0))
     if len(stamps) < 3 or n1 - n0 < 2:
         raise RuntimeError(f"only {len(stamps)} whole-batch decode steps seen; raise steps")

@@ -2,6 +2,7 @@
 driven by a fake engine whose steps take a known time: whole-batch steps, and steps whose
 outputs arrive in two parts."""
 
+import gc
 import types
 
 import pytest
@@ -19,6 +20,7 @@ class FakeEngine:
 
     def __init__(self, split=()):
         self.split, self.reqs, self.clock, self.step_no, self.pending = set(split), {}, 0.0, 0, []
+        self.gc_during_steps = set()
 
     def add_request(self, rid, prompt, params):
         self.reqs[rid] = (0, params.max_tokens)
@@ -32,6 +34,7 @@ class FakeEngine:
                                      outputs=[types.SimpleNamespace(token_ids=[7] * n)])
 
     def step(self):
+        self.gc_during_steps.add(gc.isenabled())
         if self.pending:  # the second part of a split step: no GPU time
             outs, self.pending = self.pending, []
             return outs
@@ -64,3 +67,24 @@ def test_too_few_decode_steps_is_an_error(monkeypatch):
     llm = types.SimpleNamespace(llm_engine=engine)
     with pytest.raises(RuntimeError, match="whole-batch decode steps seen; raise steps"):
         engine_run._decode_step_s(llm, [{"prompt_token_ids": [1]}] * 2, steps=1, tag="t")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_garbage_collector_is_off_during_the_steps_and_restored(monkeypatch, enabled):
+    engine = FakeEngine()
+    monkeypatch.setattr(engine_run.time, "perf_counter", lambda: engine.clock)
+    llm = types.SimpleNamespace(llm_engine=engine)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        engine_run._decode_step_s(llm, [{"prompt_token_ids": [1]}] * 3, steps=8, tag="t")
+        assert engine.gc_during_steps == {False}
+        assert gc.isenabled() is enabled
+        engine.step = lambda: 1 / 0  # an engine error still restores the collector
+        engine.add_request("x", None, types.SimpleNamespace(max_tokens=2))
+        with pytest.raises(ZeroDivisionError):
+            engine_run._decode_step_s(llm, [{"prompt_token_ids": [1]}], steps=8, tag="u")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
