@@ -7,6 +7,7 @@ Run on the GPU machine from the repository root (vLLM's kernels come from /opt/v
                                                          [--fp8 | --fp8-only]
                                                          [--min-tokens-per-cta N]
                                                          [--mma-max-rows N]
+                                                         [--mma-min-batch B]
 
 Kernels (bf16 cache [num_blocks, 64, 576], int32 block table / seq lens, causal, varlen):
   ours            mla_backend.ops.plan_decode + mla_decode
@@ -86,9 +87,11 @@ bf16 file (--out DIR: in DIR; --fp8-only --out FILE: FILE), with its own table a
 Bench only: --min-tokens-per-cta N plans ours with at least N keys per CTA instead of the
 library's cost_model.MIN_TOKENS_PER_CTA (plan_decode's _min_tokens_per_cta), to sweep the split
 minimum in one call; the results file records it as min_tokens_per_cta (null: the default).
---mma-max-rows N runs ours on the mma.sync kernel up to N query rows (s_q * H) instead of the
-library's cost_model.MMA_MAX_ROWS (16), and on the wgmma kernel above (0: wgmma for every row),
-recorded as mma_max_rows (null: the default).
+--mma-max-rows N and --mma-min-batch B replace the library's rule for the kernel of few query
+rows (cost_model: the mma.sync kernel up to MMA_MAX_ROWS = 16 rows, s_q * H, from MMA_MIN_BATCH_*
+requests on, per cache dtype; else the wgmma kernel): 0 rows puts every step on the wgmma kernel,
+batch 1 every step of <= N rows on the mma.sync kernel. Recorded as mma_max_rows, mma_min_batch
+(null: the default).
 
 Exit status: 0; 1 if ours failed the correctness gate in some row; 2 if the run stopped early.
 """
@@ -382,13 +385,15 @@ def run_matrix(matrix: dict[str, tuple[int, ...]], kernels: list[str],
 
 def results_extra(kernels: list[str], metadata: dict[str, str],
                   min_tokens_per_cta: int | None = None,
-                  mma_max_rows: int | None = None) -> dict[str, object]:
+                  mma_max_rows: int | None = None,
+                  mma_min_batch: int | None = None) -> dict[str, object]:
     """The results file's top-level description of the per-layer figures, and ours' split
-    minimum and kernel choice where --min-tokens-per-cta / --mma-max-rows replaced the
-    library's."""
+    minimum and kernel choice where --min-tokens-per-cta / --mma-max-rows / --mma-min-batch
+    replaced the library's."""
     return {"layers_per_step": LAYERS_PER_STEP,
             "per_step_metadata": {k: metadata[k] for k in kernels if k in metadata},
-            "min_tokens_per_cta": min_tokens_per_cta, "mma_max_rows": mma_max_rows}
+            "min_tokens_per_cta": min_tokens_per_cta, "mma_max_rows": mma_max_rows,
+            "mma_min_batch": mma_min_batch}
 
 
 def report(rows: list[BenchRow], kernels: list[str], copy_bw: float | None, out_path: Path,
@@ -438,7 +443,8 @@ def fp8_decode_block(args: argparse.Namespace, copy_bw: float | None = None) -> 
         common.write_results(out_path, job=JOB_FP8, gpu=gpu, date=date, commit=commit,
                              copy_bw_gbs=copy_bw, rows=rows,
                              extra=results_extra(kernels, FP8_PER_STEP_METADATA,
-                                                 args.min_tokens_per_cta, args.mma_max_rows))
+                                                 args.min_tokens_per_cta, args.mma_max_rows,
+                                                 args.mma_min_batch))
 
     ours_bad, status = run_matrix(m, kernels, FP8_BUILDERS, args, copy_bw, rows, save,
                                   fp8=True)
@@ -512,6 +518,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="bench only: ours on the mma.sync kernel up to N query rows (s_q * H), "
                          "the wgmma kernel above, instead of the library's MMA_MAX_ROWS (16); "
                          "0: the wgmma kernel for every row")
+    ap.add_argument("--mma-min-batch", type=int, default=None, metavar="B",
+                    help="bench only: ours on the mma.sync kernel (up to MMA_MAX_ROWS rows) from "
+                         "B requests on, for either cache dtype, instead of the library's "
+                         "MMA_MIN_BATCH_16BIT / _FP8; 1: every batch")
     ap.add_argument("--verbose", action="store_true", help="tracebacks for failures")
     args = ap.parse_args(argv)
     if args.rounds < 0:
@@ -521,6 +531,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.mma_max_rows is not None and not 0 <= args.mma_max_rows <= 16:
         ap.error(f"--mma-max-rows must be in [0, 16] (the mma.sync kernel's tile is 16 rows); "
                  f"got {args.mma_max_rows}")
+    if args.mma_min_batch is not None and args.mma_min_batch < 1:
+        ap.error(f"--mma-min-batch must be >= 1; got {args.mma_min_batch}")
     peers = [p for p in args.peers.split(",") if p]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -592,6 +604,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"ours on the mma.sync kernel up to {args.mma_max_rows} query rows, the wgmma "
             f"kernel above (--mma-max-rows; the library's is {cost_model.MMA_MAX_ROWS})")
         cost_model.MMA_MAX_ROWS = args.mma_max_rows  # read by every plan made after this
+    if args.mma_min_batch is not None:
+        from mla_backend.ops import cost_model
+
+        log(f"ours on the mma.sync kernel from {args.mma_min_batch} requests on (--mma-min-batch; "
+            f"the library's: {cost_model.MMA_MIN_BATCH_16BIT} for a 16-bit cache, "
+            f"{cost_model.MMA_MIN_BATCH_FP8} for fp8)")
+        cost_model.MMA_MIN_BATCH_16BIT = cost_model.MMA_MIN_BATCH_FP8 = args.mma_min_batch
     if not args.fp8_only:
         log(f"matrix: H {m['H']} x s_q {m['s_q']} x batch {m['batch']} x seq_len "
             f"{m['seq_len']}; kernels: {', '.join(args.kernels)}; results -> {out_path}")
@@ -612,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                                  copy_bw_gbs=copy_bw, rows=rows,
                                  extra=results_extra(args.kernels, PER_STEP_METADATA,
                                                      args.min_tokens_per_cta,
-                                                     args.mma_max_rows))
+                                                     args.mma_max_rows, args.mma_min_batch))
 
         ours_bad, status = run_matrix(m, args.kernels, BUILDERS, args, copy_bw, rows, save)
         save()

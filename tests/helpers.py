@@ -140,6 +140,22 @@ def naive_dense_decode(q, cache, table, lens, scale, causal=True):
 
 # ---------------------------------------------------------------------- poisoned outputs
 
+def force_dense_kernel(monkeypatch, kernel: str) -> None:
+    """Dense decode's steps of <= 16 query rows (s_q * H) on one kernel for this test:
+    "rule" leaves the library's choice (cost_model: the wgmma kernel on a 16-bit cache, and on
+    fp8 below MMA_MIN_BATCH_FP8 requests), "mma.sync" takes the mma.sync kernel at every batch,
+    "wgmma" the wgmma kernel at every batch. Steps of more rows run on wgmma either way."""
+    from mla_backend.ops import cost_model
+
+    if kernel == "mma.sync":
+        monkeypatch.setattr(cost_model, "MMA_MIN_BATCH_16BIT", 1)
+        monkeypatch.setattr(cost_model, "MMA_MIN_BATCH_FP8", 1)
+    elif kernel == "wgmma":
+        monkeypatch.setattr(cost_model, "MMA_MAX_ROWS", 0)
+    elif kernel != "rule":
+        raise ValueError(f"kernel must be 'rule', 'mma.sync' or 'wgmma'; got {kernel!r}")
+
+
 def nan_outputs(q: torch.Tensor, dtype: torch.dtype | None = None, fill: float = float("nan")
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Caller-owned out and lse for q ([B, s_q, H, 576] -> out [B, s_q, H, 512] and lse

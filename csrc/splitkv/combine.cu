@@ -16,20 +16,23 @@ namespace mla_backend::splitkv {
 namespace {
 
 // Merge the partials of requests that span CTAs; zero out requests with no keys.
-// One 128-thread block per (row, request): warp g takes splits c = first + g (mod 4), each
-// lane 16 columns (float32 partials: 4 float4 per split, 4 splits at a time; 16-bit: 2 loads
-// of 8 values, 8 splits at a time), so 16 loads per lane are in flight; the warps' float32
-// sums meet in shared memory. Blocks of unsplit requests exit at once.
+// One block of kWarps warps per (row, request): warp g takes splits c = first + g (mod kWarps),
+// each lane 16 columns (float32 partials: 4 float4 per split, 4 splits at a time; 16-bit: 2
+// loads of 8 values, 8 splits at a time), so 16 loads per lane are in flight; the warps'
+// float32 sums meet in shared memory. Blocks of unsplit requests exit at once.
 // With more requests than CTAs (by_cta), blockIdx.y = c < num_ctas takes the one request that
 // starts in CTA c's range and continues past it, if there is one (every split request starts
 // in exactly one CTA), and the blocks after those zero the empty requests, one per thread:
 // fewer blocks to launch (a launched block costs about as much as a unit of merging here).
-constexpr int kCombineWarps = 4;
-constexpr int kCombineThreads = 32 * kCombineWarps;
+// Few blocks (small batch, few heads) get 16 warps each, many get 4: a request split over
+// ~130 CTAs is otherwise merged by 4 warps taking ~32 splits each, one after another.
+constexpr int kManyWarps = 4, kFewWarps = 16;
+constexpr int kFewBlocks = 512;  // below this many (row, request) blocks: kFewWarps
 
-template <typename T, typename Part>
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_constant__ DecodeParams p,
-                                                                  bool by_cta) {
+template <typename T, typename Part, int kCombineWarps>
+__global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __grid_constant__ DecodeParams p,
+                                                                     bool by_cta) {
+  constexpr int kCombineThreads = 32 * kCombineWarps;
   const cutlass::maximum<float, true> fmax_nan;  // max.NaN: NaN when either input is (fmaxf: the other)
   __shared__ float4 s_acc[kCombineWarps - 1][4][32];
   __shared__ float s_red[kCombineWarps];
@@ -58,7 +61,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   const int Pr = P_at(r), Pr1 = P_at(r + 1);
   T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
   if (Pr == Pr1) {  // zero-length request (or no unit): out = 0, lse = -inf
-    *reinterpret_cast<uint2*>(out + tid * 4) = make_uint2(pack2<T>(0.f, 0.f), pack2<T>(0.f, 0.f));
+    if (kCombineThreads == kDv / 4 || tid < kDv / 4)  // 4 columns a thread
+      *reinterpret_cast<uint2*>(out + tid * 4) = make_uint2(pack2<T>(0.f, 0.f), pack2<T>(0.f, 0.f));
     if (tid == 0) p.lse[int64_t(r) * p.rows + row] = -INFINITY;
     return;
   }
@@ -150,12 +154,20 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
 
 }  // namespace
 
+template <typename T, typename Part, int kWarps>
+void launch_combine_with(const DecodeParams& p, int blocks_y, bool by_cta, cudaStream_t stream) {
+  launch_pdl(combine_kernel<T, Part, kWarps>, dim3(p.rows, blocks_y), dim3(32 * kWarps), 0, stream, p, by_cta);
+}
+
 template <typename T, typename Part>
 void launch_combine(const DecodeParams& p, cudaStream_t stream) {
-  const int by_cta_blocks = p.num_ctas + (p.batch + kCombineThreads - 1) / kCombineThreads;
-  const bool by_cta = by_cta_blocks < p.batch;
-  launch_pdl(combine_kernel<T, Part>, dim3(p.rows, by_cta ? by_cta_blocks : p.batch), dim3(kCombineThreads), 0,
-             stream, p, by_cta);
+  const int by_cta_blocks = p.num_ctas + (p.batch + 32 * kManyWarps - 1) / (32 * kManyWarps);
+  const bool by_cta = by_cta_blocks < p.batch;  // always with many blocks: kManyWarps
+  const int blocks_y = by_cta ? by_cta_blocks : p.batch;
+  if (!by_cta && int64_t(p.rows) * blocks_y < kFewBlocks)
+    launch_combine_with<T, Part, kFewWarps>(p, blocks_y, false, stream);
+  else
+    launch_combine_with<T, Part, kManyWarps>(p, blocks_y, by_cta, stream);
 }
 
 template void launch_combine<__nv_bfloat16, float>(const DecodeParams& p, cudaStream_t stream);

@@ -44,6 +44,7 @@ from .sparse import (
 
 # the planners' geometry and cost rule, for the tests that check them
 _grid = dense._grid
+_uses_mma = dense._uses_mma
 _sparse_grid = sparse._sparse_grid
 _whole_requests_floor = cost_model._whole_requests_floor
 

@@ -1,7 +1,8 @@
 """The measured costs the planners schedule by.
 
 A plan spreads work units (32 or 64 keys of a dense request, 64 index entries of a sparse
-one) over one wave of CTAs; dense decode picks its kernel by the query rows (MMA_MAX_ROWS).
+one) over one wave of CTAs; dense decode picks its kernel by the query rows, the batch and the
+cache's dtype (MMA_MAX_ROWS, MMA_MIN_BATCH_*).
 Two rules come from measurements: every CTA gets at least
 MIN_TOKENS_PER_CTA keys of work, and a sparse plan of equal-length requests rounds each CTA's
 share up to whole requests (no request split over CTAs, so no merge kernel) when that costs
@@ -16,13 +17,21 @@ from ._common import D_V
 # hurt batch 1 at every length.
 MIN_TOKENS_PER_CTA = 128
 
-# Dense decode runs the mma.sync kernel (16-row tiles, two CTAs per SM) up to this many query
-# rows (s_q * H) and the wgmma kernel (64-row tiles) above; read at each plan. 0 puts every
-# row count on the wgmma kernel (bench/dense_decode.py --mma-max-rows 0): on the H100
-# (2026-11-24) H 16 at s_q 2, 32 rows on the wgmma kernel, ran faster than H 16 at s_q 1 on the
-# mma.sync kernel on most rows, the same cache bytes read. Set it before making a workspace:
-# a workspace's buffers are sized for the kernel chosen then.
+# Dense decode's kernel for few query rows (s_q * H <= MMA_MAX_ROWS: the head counts of TP 8 and
+# TP 16): the mma.sync kernel (16-row tiles, two CTAs per SM) from MMA_MIN_BATCH_* requests on
+# (None: never), else the wgmma kernel (64-row tiles, one CTA per SM), which runs every larger
+# row count. Measured on the H100 (2026-11-27; H 8 and 16, s_q 1; bench/results/
+# dense_decode_few_rows-h100-80gb-hbm3-2026-11-27.json): on a 16-bit cache the wgmma kernel was
+# faster on 18 of 24 rows (batch 1, 8, 32, 128; 1k, 4k, 16k keys), by up to 41% (batch 1,
+# 1k), and slower by at most 9% on the other six (five of them H 8); on a per-tensor fp8 cache
+# it was faster or even below 32 requests at 1k keys (up to 24% faster) and at batch 1, but
+# 1 to 10% slower from 2 requests on at 16k, and the mma.sync kernel was faster from 32
+# requests on at 1k and 16k (3 to 12%).
+# Read at each plan (bench/dense_decode.py --mma-max-rows, --mma-min-batch); set them before
+# making a workspace: its plans are cached per batch size.
 MMA_MAX_ROWS = 16
+MMA_MIN_BATCH_16BIT: int | None = None
+MMA_MIN_BATCH_FP8: int | None = 32
 
 # Measured on the H100 for sparse decode: splitting a request over CTAs (a partial write per
 # CTA, the merge kernel's launch and read) costs about 4 units of one CTA's time on a bf16

@@ -66,22 +66,27 @@ class DecodePlan:
         return self.q_tokens_per_req * self.num_heads
 
 
-def _tile(rows: int) -> tuple[int, int, int]:
-    """(rows per CTA, tokens per work unit, CTAs per SM) of the kernel serving `rows` query
-    rows, for a 16-bit and a per-tensor fp8 cache alike (both kernels convert fp8 pages in
-    shared memory). Up to cost_model.MMA_MAX_ROWS (16) rows: the mma.sync kernel, 16-row
-    tiles with no padded rows for few heads (TP8 / TP16), two CTAs per SM; more: the wgmma
-    kernel, 64-row tiles, one 64-token page per unit. Must agree with the kernels' shared
-    memory."""
-    if rows <= min(cost_model.MMA_MAX_ROWS, 16):
-        return 16, 32, 2
-    return 64, 64, 1
+def _uses_mma(rows: int, batch: int, kv_fp8: bool) -> bool:
+    """Whether a step of `batch` requests with `rows` query rows (s_q * H) runs on the mma.sync
+    kernel rather than the wgmma kernel: the rule of cost_model (MMA_MAX_ROWS, MMA_MIN_BATCH_*),
+    read at each call."""
+    min_batch = cost_model.MMA_MIN_BATCH_FP8 if kv_fp8 else cost_model.MMA_MIN_BATCH_16BIT
+    return rows <= min(cost_model.MMA_MAX_ROWS, 16) and min_batch is not None and batch >= min_batch
 
 
-def _grid(rows: int, num_sms: int) -> tuple[int, int, int]:
-    """(rows per CTA, tokens per unit, CTAs) of one step: one wave, every CTA the same number
-    of units (the planner's closed form)."""
-    rows_per_cta, unit_tokens, ctas_per_sm = _tile(rows)
+def _tile(mma: bool) -> tuple[int, int, int]:
+    """(rows per CTA, tokens per work unit, CTAs per SM) of a kernel, for a 16-bit and a
+    per-tensor fp8 cache alike (both kernels convert fp8 pages in shared memory). The mma.sync
+    kernel: 16-row tiles with no padded rows for few heads (TP8 / TP16), 32-token units, two
+    CTAs per SM; the wgmma kernel: 64-row tiles, one 64-token page per unit. Must agree with
+    the kernels' shared memory."""
+    return (16, 32, 2) if mma else (64, 64, 1)
+
+
+def _grid(rows: int, num_sms: int, mma: bool) -> tuple[int, int, int]:
+    """(rows per CTA, tokens per unit, CTAs) of one step on the kernel `mma` names: one wave,
+    every CTA the same number of units (the planner's closed form)."""
+    rows_per_cta, unit_tokens, ctas_per_sm = _tile(mma)
     m_tiles = math.ceil(rows / rows_per_cta)
     return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
 
@@ -131,7 +136,8 @@ class DecodeWorkspace:
         plan = self.plans.get((batch, s_q))
         if plan is None:
             rows = s_q * self.num_heads
-            rows_per_cta, unit_tokens, num_ctas = _grid(rows, self.num_sms)
+            rows_per_cta, unit_tokens, num_ctas = _grid(
+                rows, self.num_sms, _uses_mma(rows, batch, self.kv_fp8))
             plan = DecodePlan(
                 batch=batch, q_tokens_per_req=s_q, num_heads=self.num_heads, kv_fp8=self.kv_fp8,
                 rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
@@ -170,8 +176,8 @@ def _workspace(max_batch: int, q_tokens: range | list[int], num_heads: int, kv_f
     """Buffers for every plan with batch <= max_batch and s_q in q_tokens (op: the public op
     allocating them, named if the extension is missing)."""
     part_dtype = _partial_dtype(op)
-    part_rows = max(2 * _grid(s_q * num_heads, num_sms)[2] * s_q * num_heads
-                    for s_q in q_tokens)
+    part_rows = max(2 * _grid(s_q * num_heads, num_sms, mma)[2] * s_q * num_heads
+                    for s_q in q_tokens for mma in (False, True))  # either kernel, any batch
     return DecodeWorkspace(
         max_batch=max_batch, max_q_tokens_per_req=max(q_tokens), num_heads=num_heads,
         kv_fp8=kv_fp8, num_sms=num_sms,

@@ -336,30 +336,49 @@ def test_sparse_grid_worked_by_hand(heads, sms, want):
     assert ops._sparse_grid(heads, sms) == want
 
 
-@pytest.mark.parametrize("rows,sms,want", [
-    (1, 132, (16, 32, 264)), (16, 132, (16, 32, 264)),  # mma.sync: 16-row tiles, 2 CTAs / SM
-    (17, 132, (64, 64, 132)), (64, 132, (64, 64, 132)),  # wgmma: 64-row tiles, 64-token units
-    (65, 132, (64, 64, 66)), (128, 132, (64, 64, 66)),
-    (129, 132, (64, 64, 44)), (512, 132, (64, 64, 16)),  # s_q 4 x H 128: 8 tiles
-    (1024, 132, (64, 64, 8)),                            # s_q 8 x H 128: 16 tiles
-    (16, 114, (16, 32, 228)), (1024, 114, (64, 64, 7)),
+@pytest.mark.parametrize("rows,sms,mma,want", [
+    (1, 132, True, (16, 32, 264)), (16, 132, True, (16, 32, 264)),  # mma.sync: 16-row tiles, 2 / SM
+    (1, 132, False, (64, 64, 132)), (16, 132, False, (64, 64, 132)),  # wgmma: one padded tile
+    (17, 132, False, (64, 64, 132)), (64, 132, False, (64, 64, 132)),  # 64-token units
+    (65, 132, False, (64, 64, 66)), (128, 132, False, (64, 64, 66)),
+    (129, 132, False, (64, 64, 44)), (512, 132, False, (64, 64, 16)),  # s_q 4 x H 128: 8 tiles
+    (1024, 132, False, (64, 64, 8)),                                   # s_q 8 x H 128: 16 tiles
+    (16, 114, True, (16, 32, 228)), (1024, 114, False, (64, 64, 7)),
 ])
-def test_dense_grid_worked_by_hand(rows, sms, want):
-    # the tiles depend on rows = s_q * H alone (a per-tensor fp8 cache runs on the same kernels)
-    assert ops._grid(rows, sms) == want
+def test_dense_grid_worked_by_hand(rows, sms, mma, want):
+    # the tiles depend on rows = s_q * H and the kernel alone (a per-tensor fp8 cache runs on
+    # the same kernels)
+    assert ops._grid(rows, sms, mma) == want
 
 
-@pytest.mark.parametrize("limit,rows,want", [
-    (0, 1, (64, 64, 132)), (0, 16, (64, 64, 132)),   # every row count on the wgmma kernel
-    (8, 8, (16, 32, 264)), (8, 9, (64, 64, 132)),
-    (16, 16, (16, 32, 264)), (16, 17, (64, 64, 132)),
+@pytest.mark.parametrize("rows,batch,kv_fp8,want", [
+    (16, 1, False, False), (16, 128, False, False),  # 16-bit: the wgmma kernel at every batch
+    (1, 4096, False, False),
+    (16, 1, True, False), (16, 31, True, False),     # fp8: wgmma below 32 requests,
+    (16, 32, True, True), (1, 500, True, True),      # mma.sync from 32 on
+    (17, 32, True, False), (128, 128, True, False),  # more than 16 rows: always wgmma
 ])
-def test_dense_kernel_choice_follows_mma_max_rows(monkeypatch, limit, rows, want):
-    # cost_model.MMA_MAX_ROWS (bench/dense_decode.py --mma-max-rows) is read at each plan
+def test_dense_kernel_rule_worked_by_hand(rows, batch, kv_fp8, want):
+    assert ops._uses_mma(rows, batch, kv_fp8) is want
+
+
+@pytest.mark.parametrize("max_rows,min_batch,rows,batch,want", [
+    (0, 1, 1, 64, False), (0, 1, 16, 64, False),  # --mma-max-rows 0: every row count on wgmma
+    (8, 1, 8, 1, True), (8, 1, 9, 1, False),      # --mma-min-batch 1: mma.sync at every batch
+    (16, 1, 16, 1, True), (16, 1, 17, 1, False),
+    (16, 4, 16, 3, False), (16, 4, 16, 4, True),
+])
+def test_dense_kernel_rule_follows_cost_model(monkeypatch, max_rows, min_batch, rows, batch,
+                                              want):
+    # cost_model's MMA_MAX_ROWS / MMA_MIN_BATCH_* (bench/dense_decode.py --mma-max-rows,
+    # --mma-min-batch) are read at each call, for either cache dtype
     from mla_backend.ops import cost_model
 
-    monkeypatch.setattr(cost_model, "MMA_MAX_ROWS", limit)
-    assert ops._grid(rows, 132) == want
+    monkeypatch.setattr(cost_model, "MMA_MAX_ROWS", max_rows)
+    monkeypatch.setattr(cost_model, "MMA_MIN_BATCH_16BIT", min_batch)
+    monkeypatch.setattr(cost_model, "MMA_MIN_BATCH_FP8", min_batch)
+    for kv_fp8 in (False, True):
+        assert ops._uses_mma(rows, batch, kv_fp8) is want
 
 
 @pytest.mark.parametrize("sms", [132, 114])
@@ -367,7 +386,8 @@ def test_grids_fill_one_wave(sms):
     # for every row count: all CTAs of all row tiles are resident at once (one wave: the
     # planner gives every CTA the same units), and one CTA more per tile would not be
     grids = [(heads, ops._sparse_grid(heads, sms), 1) for heads in range(1, 129)]
-    grids += [(rows, ops._grid(rows, sms), 2 if rows <= 16 else 1) for rows in range(1, 1025)]
+    grids += [(rows, ops._grid(rows, sms, mma), 2 if mma else 1)
+              for rows in range(1, 1025) for mma in ((False, True) if rows <= 16 else (False,))]
     for rows, (rows_per_cta, _, ctas), ctas_per_sm in grids:
         tiles = -(-rows // rows_per_cta)
         assert tiles * ctas <= sms * ctas_per_sm < tiles * (ctas + 1), (rows, ctas)

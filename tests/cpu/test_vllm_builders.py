@@ -48,9 +48,10 @@ def test_builder_decode_first_batch_with_a_prefill(tmp_path, fake_planner):
     assert fake_planner == [{"seq_lens": [10, 70, 200], "s_q": 1, "heads": 16,
                              "kv_cache_dtype": None}]
     plan = m.decode.plan
-    # H = 16 rows: 16-row tiles, 32-token units -> ceil(L / 32) units per request
-    assert (plan.batch, plan.q_tokens_per_req, plan.unit_tokens) == (3, 1, 32)
-    assert plan.metadata[:4].tolist() == [0, 1, 4, 11]
+    # H = 16 rows of a 16-bit cache at batch 3: the wgmma kernel, 64-token units ->
+    # ceil(L / 64) units per request
+    assert (plan.batch, plan.q_tokens_per_req, plan.unit_tokens) == (3, 1, 64)
+    assert plan.metadata[:4].tolist() == [0, 1, 3, 7]
     assert m.decode.block_table.shape == (3, 8)
     assert m.decode.block_table[:, 0].tolist() == [7, 15, 23]
     assert m.decode.seq_lens.tolist() == [10, 70, 200]
@@ -63,7 +64,7 @@ def test_builder_padded_cuda_graph_rows(tmp_path, fake_planner):
     m = b.build(0, common([1, 1, 0, 0], [100, 7, 0, 0], num_tokens=4))
     assert (m.num_decodes, m.num_decode_tokens, m.num_prefills) == (4, 4, 0)
     assert fake_planner[-1]["seq_lens"] == [100, 7, 0, 0]
-    assert m.decode.plan.batch == 4 and m.decode.plan.metadata[:5].tolist() == [0, 4, 5, 5, 5]
+    assert m.decode.plan.batch == 4 and m.decode.plan.metadata[:5].tolist() == [0, 2, 3, 3, 3]
 
 
 def test_builder_spec_decode_rows_take_the_decode_kernel(tmp_path, fake_planner):

@@ -164,7 +164,9 @@ def planner_stand_in(monkeypatch):
         assert isinstance(workspace, Workspace)
         calls.append({"seq_lens": seq_lens.tolist(), "s_q": s_q, "heads": heads,
                       "kv_cache_dtype": kv_cache_dtype})
-        rows_per_cta, unit_tokens, num_ctas = ops._grid(s_q * heads, 132)
+        kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
+        rows_per_cta, unit_tokens, num_ctas = ops._grid(
+            s_q * heads, 132, ops._uses_mma(s_q * heads, seq_lens.shape[0], kv_fp8))
         min_units = -(-ops.MIN_TOKENS_PER_CTA // unit_tokens)
         meta = ref.plan_decode_metadata(seq_lens, num_ctas, min_units, unit_tokens)
         return ops.DecodePlan(batch=seq_lens.shape[0], q_tokens_per_req=s_q, num_heads=heads,

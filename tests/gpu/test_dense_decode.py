@@ -30,12 +30,22 @@ from tests.helpers import (
     case_seed,
     dense_row_keys,
     e4m3_codes,
+    force_dense_kernel,
     nan_outputs,
     paged_case,
 )
 
 pytestmark = pytest.mark.gpu
 SCALE = 576 ** -0.5
+
+
+@pytest.fixture(autouse=True, params=["rule", "mma.sync"])
+def few_rows_kernel(request, monkeypatch):
+    """Every test twice: steps of <= 16 query rows on the library's kernel choice, then on the
+    mma.sync kernel at every batch (which the library takes only for an fp8 cache from 32
+    requests on), so both kernels meet every case."""
+    force_dense_kernel(monkeypatch, request.param)
+    return request.param
 
 
 def _name(lens, s_q, heads, dtype, **extra) -> str:
@@ -87,8 +97,8 @@ def test_heads_and_query_lengths(heads, s_q):
     _check([1, 37, 700, 64, 2049, 128], s_q, heads)
 
 
-# every s_q the kernels take, at the mma.sync (rows <= 16) and wgmma head counts, both
-# dtypes; requests of 4 and 1 keys have causal rows that see no key
+# every s_q the kernels take, at few head counts (rows <= 16: both kernels, by the fixture) and
+# many, both dtypes; requests of 4 and 1 keys have causal rows that see no key
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [1, 16, 64, 128])
 @pytest.mark.parametrize("s_q", range(1, 9))
@@ -316,25 +326,24 @@ def _check_fp8(lens, s_q, heads, dtype=torch.bfloat16, scale_as_tensor=False, st
     _compare(got, lse, q, cache, table, seq, SCALE,
              _name(lens, s_q, heads, dtype, fp8_scale=kv_scale, population=population),
              kv_scale=kv_scale)
+    return plan
 
 
-# rows = s_q * H <= 16 on the wgmma kernel (cost_model.MMA_MAX_ROWS = 0, the benchmark's
-# --mma-max-rows 0): one 64-row tile, most of it padding rows that are never stored; the
-# Q tensor maps' boxes run past the query tensor and read zeros there
+# rows = s_q * H <= 16 on each kernel (the few_rows_kernel fixture): at this batch the
+# library's rule takes the wgmma kernel for both cache dtypes, one 64-row tile, most of it
+# padding rows that are never stored (the Q tensor maps' boxes run past the query tensor and
+# read zeros there); the mma.sync kernel, 16-row tiles
 @pytest.mark.parametrize("kv_fp8", [False, True])
-@pytest.mark.parametrize("heads,s_q", [(1, 1), (2, 3), (8, 1), (8, 2), (16, 1), (4, 4)])
-def test_few_rows_on_the_wgmma_kernel(monkeypatch, heads, s_q, kv_fp8):
-    from mla_backend.ops import cost_model
-
-    monkeypatch.setattr(cost_model, "MMA_MAX_ROWS", 0)
+@pytest.mark.parametrize("heads,s_q", [(1, 1), (1, 8), (2, 3), (2, 8), (8, 1), (8, 2), (16, 1),
+                                       (4, 4), (5, 2)])
+def test_few_rows_on_each_kernel(few_rows_kernel, heads, s_q, kv_fp8):
     lens = [1, 37, 700, 0, 2049, 64]
-    if kv_fp8:
-        _check_fp8(lens, s_q, heads)
-    else:
-        assert _check(lens, s_q, heads).rows_per_cta == 64
+    plan = _check_fp8(lens, s_q, heads) if kv_fp8 else _check(lens, s_q, heads)
+    assert plan.rows_per_cta == (16 if few_rows_kernel == "mma.sync" else 64)
 
 
-# rows = s_q * H <= 16: the mma.sync kernel; more: the wgmma kernel's fp8 producer
+# rows = s_q * H <= 16: either kernel (the few_rows_kernel fixture); more: the wgmma kernel's
+# fp8 producer
 @pytest.mark.parametrize("heads", [1, 16, 20, 64, 128])
 @pytest.mark.parametrize("s_q", range(1, 9))
 def test_fp8_cache_heads_and_query_lengths(heads, s_q):
@@ -351,7 +360,7 @@ def test_fp8_cache_fp16_tensor_scale_strided(heads):
 # exponent is a wrong output, not a rounding
 @pytest.mark.parametrize("population", ["every", "subnormal", "largest"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads", [8, 64])  # mma.sync and wgmma kernels
+@pytest.mark.parametrize("heads", [8, 64])  # few rows (either kernel) and many
 def test_fp8_cache_every_e4m3_code(population, dtype, heads):
     _check_fp8([700, 64, 5], 1, heads, dtype=dtype, population=population)
 

@@ -10,8 +10,8 @@ against itself:
   take the serving process down), those requests' rows stay finite, and every other
   request's rows match the reference.
 
-Every dense kernel: mma.sync (rows = s_q * H <= 16) and wgmma, 16-bit and per-tensor fp8
-caches.
+Every dense kernel: mma.sync and wgmma (rows = s_q * H <= 16 run on each in turn, the
+few_rows_kernel fixture; more rows on wgmma), 16-bit and per-tensor fp8 caches.
 """
 
 import pytest
@@ -24,6 +24,7 @@ from tests.helpers import (
     assert_attention_close,
     case_seed,
     dense_row_keys,
+    force_dense_kernel,
     nan_outputs,
     paged_case,
 )
@@ -31,6 +32,15 @@ from tests.helpers import (
 pytestmark = pytest.mark.gpu
 SCALE = 576 ** -0.5
 LENS = [700, 1, 64, 0, 2500, 129]
+
+
+@pytest.fixture(autouse=True, params=["rule", "mma.sync"])
+def few_rows_kernel(request, monkeypatch):
+    """Every test twice: steps of <= 16 query rows on the library's kernel choice, then on the
+    mma.sync kernel at every batch (which the library takes only for an fp8 cache from 32
+    requests on), so both kernels meet every case."""
+    force_dense_kernel(monkeypatch, request.param)
+    return request.param
 
 
 def _case(s_q, heads, dtype, kv_fp8, *key):
