@@ -8,6 +8,7 @@ Run on the GPU machine from the repository root (vLLM's kernels come from /opt/v
                                                          [--min-tokens-per-cta N]
                                                          [--mma-max-rows N]
                                                          [--mma-min-batch B]
+                                                         [--equal-lengths] [--whole-extra N]
 
 Kernels (bf16 cache [num_blocks, 64, 576], int32 block table / seq lens, causal, varlen):
   ours            mla_backend.ops.plan_decode + mla_decode
@@ -91,7 +92,10 @@ minimum in one call; the results file records it as min_tokens_per_cta (null: th
 rows (cost_model: the mma.sync kernel up to MMA_MAX_ROWS = 16 rows, s_q * H, from MMA_MIN_BATCH_*
 requests on, per cache dtype; else the wgmma kernel): 0 rows puts every step on the wgmma kernel,
 batch 1 every step of <= N rows on the mma.sync kernel. Recorded as mma_max_rows, mma_min_batch
-(null: the default).
+(null: the default). --equal-lengths gives every request exactly the mean length (as SGLang's
+and FlashInfer's decode benchmarks do); --whole-extra N replaces the library's
+DENSE_WHOLE_REQUEST_EXTRA_UNITS (whole requests per CTA for equal lengths; -1: never).
+Recorded as equal_lengths and whole_extra.
 
 Exit status: 0; 1 if ours failed the correctness gate in some row; 2 if the run stopped early.
 """
@@ -109,7 +113,7 @@ from pathlib import Path
 
 import torch
 
-from bench import common
+from bench import common, dense_inputs
 from bench.common import BenchRow, Kernel, NotApplicable, log
 from bench.dense_inputs import (
     D_QK,
@@ -386,14 +390,16 @@ def run_matrix(matrix: dict[str, tuple[int, ...]], kernels: list[str],
 def results_extra(kernels: list[str], metadata: dict[str, str],
                   min_tokens_per_cta: int | None = None,
                   mma_max_rows: int | None = None,
-                  mma_min_batch: int | None = None) -> dict[str, object]:
+                  mma_min_batch: int | None = None, equal_lengths: bool = False,
+                  whole_extra: int | None = None) -> dict[str, object]:
     """The results file's top-level description of the per-layer figures, and ours' split
     minimum and kernel choice where --min-tokens-per-cta / --mma-max-rows / --mma-min-batch
     replaced the library's."""
     return {"layers_per_step": LAYERS_PER_STEP,
             "per_step_metadata": {k: metadata[k] for k in kernels if k in metadata},
             "min_tokens_per_cta": min_tokens_per_cta, "mma_max_rows": mma_max_rows,
-            "mma_min_batch": mma_min_batch}
+            "mma_min_batch": mma_min_batch, "equal_lengths": equal_lengths,
+            "whole_extra": whole_extra}
 
 
 def report(rows: list[BenchRow], kernels: list[str], copy_bw: float | None, out_path: Path,
@@ -444,7 +450,8 @@ def fp8_decode_block(args: argparse.Namespace, copy_bw: float | None = None) -> 
                              copy_bw_gbs=copy_bw, rows=rows,
                              extra=results_extra(kernels, FP8_PER_STEP_METADATA,
                                                  args.min_tokens_per_cta, args.mma_max_rows,
-                                                 args.mma_min_batch))
+                                                 args.mma_min_batch, args.equal_lengths,
+                                                 args.whole_extra))
 
     ours_bad, status = run_matrix(m, kernels, FP8_BUILDERS, args, copy_bw, rows, save,
                                   fp8=True)
@@ -522,6 +529,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="bench only: ours on the mma.sync kernel (up to MMA_MAX_ROWS rows) from "
                          "B requests on, for either cache dtype, instead of the library's "
                          "MMA_MIN_BATCH_16BIT / _FP8; 1: every batch")
+    ap.add_argument("--equal-lengths", action="store_true",
+                    help="every request exactly the mean seq_len (default: uniform in "
+                         "[0.5, 1.5] x the mean)")
+    ap.add_argument("--whole-extra", type=int, default=None, metavar="N",
+                    help="bench only: ours' DENSE_WHOLE_REQUEST_EXTRA_UNITS (whole requests per "
+                         "CTA for equal lengths when at most N units above the balanced share; "
+                         "-1: never)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks for failures")
     args = ap.parse_args(argv)
     if args.rounds < 0:
@@ -533,6 +547,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  f"got {args.mma_max_rows}")
     if args.mma_min_batch is not None and args.mma_min_batch < 1:
         ap.error(f"--mma-min-batch must be >= 1; got {args.mma_min_batch}")
+    if args.whole_extra is not None and args.whole_extra < -1:
+        ap.error(f"--whole-extra must be >= -1; got {args.whole_extra}")
     peers = [p for p in args.peers.split(",") if p]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -611,6 +627,15 @@ def main(argv: list[str] | None = None) -> int:
             f"the library's: {cost_model.MMA_MIN_BATCH_16BIT} for a 16-bit cache, "
             f"{cost_model.MMA_MIN_BATCH_FP8} for fp8)")
         cost_model.MMA_MIN_BATCH_16BIT = cost_model.MMA_MIN_BATCH_FP8 = args.mma_min_batch
+    if args.whole_extra is not None:
+        from mla_backend.ops import cost_model
+
+        log(f"ours' whole-request margin {args.whole_extra} units (--whole-extra; the library's "
+            f"is {cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS})")
+        cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS = args.whole_extra
+    if args.equal_lengths:
+        dense_inputs.EQUAL_LENGTHS = True
+        log("every request exactly the mean seq_len (--equal-lengths)")
     if not args.fp8_only:
         log(f"matrix: H {m['H']} x s_q {m['s_q']} x batch {m['batch']} x seq_len "
             f"{m['seq_len']}; kernels: {', '.join(args.kernels)}; results -> {out_path}")
@@ -631,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                                  copy_bw_gbs=copy_bw, rows=rows,
                                  extra=results_extra(args.kernels, PER_STEP_METADATA,
                                                      args.min_tokens_per_cta,
-                                                     args.mma_max_rows, args.mma_min_batch))
+                                                     args.mma_max_rows, args.mma_min_batch,
+                                                     args.equal_lengths, args.whole_extra))
 
         ours_bad, status = run_matrix(m, args.kernels, BUILDERS, args, copy_bw, rows, save)
         save()

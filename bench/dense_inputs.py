@@ -26,9 +26,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+EQUAL_LENGTHS = False  # bench --equal-lengths: every request exactly the mean (set before drawing)
+
+
 def draw_seq_lens(batch: int, mean: int, seed: int) -> list[int]:
     """Uniform in [0.5 mean, 1.5 mean], then scaled so that the total is batch * mean
-    (batch 1: exactly the mean)."""
+    (batch 1: exactly the mean); with EQUAL_LENGTHS every request is the mean."""
+    if EQUAL_LENGTHS:
+        return [mean] * batch
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(batch, generator=g, dtype=torch.float64)
     lens = (0.5 + u) * mean

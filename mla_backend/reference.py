@@ -173,14 +173,23 @@ def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
-                         unit_tokens: int = 32) -> torch.Tensor:
+                         unit_tokens: int = 32, whole_extra: int = -1) -> torch.Tensor:
     """Twin of the GPU planner: int32 [B + 2] = unit prefix sums P[0..B] (request b owns
-    units [P[b], P[b+1]), a unit being unit_tokens keys) and U, the units per CTA."""
+    units [P[b], P[b+1]), a unit being unit_tokens keys) and U, the units per CTA. With
+    whole_extra >= 0 and every request of the same u > 0 units, U is a whole number of
+    requests, u * max(ceil(B / num_ctas), ceil(min_units / u)), when that is at most
+    whole_extra above the balanced U."""
     units = (seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1) // unit_tokens
     prefix = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64)
     prefix[1:] = torch.cumsum(units.cpu(), 0)
     total = int(prefix[-1])
     per_cta = max(-(-total // num_ctas), min_units)
+    batch = units.shape[0]
+    if whole_extra >= 0 and batch > 0 and int(units.min()) == int(units.max()) > 0:
+        u = int(units.max())
+        whole = u * max(-(-batch // num_ctas), -(-min_units // u))
+        if whole - per_cta <= whole_extra:
+            per_cta = whole
     return torch.cat([prefix, torch.tensor([per_cta])]).to(torch.int32)
 
 

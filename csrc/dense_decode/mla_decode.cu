@@ -23,19 +23,21 @@ using splitkv::kUnitMma;
 using splitkv::kUnitWgmma;
 
 void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int64_t min_units,
-                 int64_t unit_tokens) {
+                 int64_t unit_tokens, int64_t whole_extra) {
   STD_TORCH_CHECK(seq_lens.is_cuda() && seq_lens.scalar_type() == ScalarType::Int && seq_lens.is_contiguous(),
                   "plan_decode: seq_lens must be contiguous int32 on CUDA");
   STD_TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == ScalarType::Int &&
                       metadata.numel() == seq_lens.numel() + 2,
                   "plan_decode: metadata must be int32 [batch + 2]");
   STD_TORCH_CHECK(num_ctas >= 1 && min_units >= 1, "plan_decode: num_ctas and min_units must be >= 1");
+  STD_TORCH_CHECK(whole_extra >= -1 && whole_extra <= INT_MAX, "plan_decode: whole_extra must be >= -1, got ",
+                  whole_extra);
   STD_TORCH_CHECK(unit_tokens == kUnitMma || unit_tokens == kUnitWgmma, "plan_decode: unit_tokens must be ",
                   kUnitMma, " or ", kUnitWgmma, ", got ", unit_tokens);
   const DeviceGuard guard(seq_lens.get_device_index());
   splitkv::launch_planner(seq_lens.const_data_ptr<int>(), int(seq_lens.numel()), 1, INT_MAX,
                           metadata.mutable_data_ptr<int>(), int(num_ctas), int(min_units), int(unit_tokens),
-                          current_stream(seq_lens));
+                          int(whole_extra), current_stream(seq_lens));
 }
 
 int64_t dense_partial_bytes() { return splitkv::kDense16BitPartials ? 2 : 4; }

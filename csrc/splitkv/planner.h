@@ -10,7 +10,11 @@ namespace mla_backend::splitkv {
 // min_units). Request b has min(max(lens[b / repeat], 0), max_len) keys (lens == nullptr:
 // max_len), in units of `unit` tokens. Dense: lens = seq_lens, repeat 1; sparse: lens =
 // topk_length per batch entry, one request per (entry, query token), max_len = topk.
+// whole_extra >= 0: when every request has the same u > 0 units, U becomes a whole number of
+// requests, u * max(ceil(batch / num_ctas), ceil(min_units / u)), if that is at most
+// whole_extra units above the balanced U: no request is split, so no partials and nothing to
+// merge. -1: never.
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
-                    int unit, cudaStream_t stream);
+                    int unit, int whole_extra, cudaStream_t stream);
 
 }  // namespace mla_backend::splitkv

@@ -33,6 +33,13 @@ MMA_MAX_ROWS = 16
 MMA_MIN_BATCH_16BIT: int | None = None
 MMA_MIN_BATCH_FP8: int | None = 32
 
+# Dense decode of requests that all have the same length: each CTA takes whole requests (none
+# split: no partials, nothing to merge) when that gives a CTA at most this many units (pages
+# of the wgmma kernel, 32-key units of the mma.sync kernel) more than the balanced share; -1:
+# never. The same trade as the sparse planner's WHOLE_REQUEST_EXTRA_UNITS. Read at each plan
+# (bench/dense_decode.py --whole-extra).
+DENSE_WHOLE_REQUEST_EXTRA_UNITS = 4
+
 # Measured on the H100 for sparse decode: splitting a request over CTAs (a partial write per
 # CTA, the merge kernel's launch and read) costs about 4 units of one CTA's time on a bf16
 # cache at H >= 64, and 3 on an fp8_ds_mla cache below 64 heads.

@@ -256,7 +256,7 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
     _extension.require("plan_decode")
     min_units = _min_units(plan.unit_tokens, _min_tokens_per_cta)
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
-                                      plan.unit_tokens)
+                                      plan.unit_tokens, cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS)
     return plan
 
 

@@ -220,3 +220,26 @@ def test_mma_max_rows_is_a_bench_option_recorded_in_the_results(tmp_path):
                              extra=dd.results_extra(["ours"], dd.PER_STEP_METADATA, None, value))
         assert json.loads(path.read_text())["mma_max_rows"] == value
 
+
+
+def test_equal_lengths_and_whole_extra_are_bench_options_recorded_in_the_results(tmp_path,
+                                                                                  monkeypatch):
+    from bench import dense_inputs
+
+    args = dd.parse_args([])
+    assert (args.equal_lengths, args.whole_extra) == (False, None)
+    args = dd.parse_args(["--equal-lengths", "--whole-extra", "-1"])
+    assert (args.equal_lengths, args.whole_extra) == (True, -1)
+    with pytest.raises(SystemExit):
+        dd.parse_args(["--whole-extra", "-2"])
+    drawn = dense_inputs.draw_seq_lens(5, 1000, 3)
+    assert len(set(drawn)) > 1 and sum(drawn) == 5000  # ragged around the mean by default
+    monkeypatch.setattr(dense_inputs, "EQUAL_LENGTHS", True)
+    assert dense_inputs.draw_seq_lens(5, 1000, 3) == [1000] * 5
+    path = tmp_path / "dense.json"
+    common.write_results(path, job=dd.JOB, gpu="test", date="2026-11-27", commit="x",
+                         copy_bw_gbs=None, rows=[],
+                         extra=dd.results_extra(["ours"], dd.PER_STEP_METADATA, None, None, None,
+                                                True, 8))
+    doc = json.loads(path.read_text())
+    assert (doc["equal_lengths"], doc["whole_extra"]) == (True, 8)

@@ -59,6 +59,27 @@ def test_units_per_cta_balances_and_respects_minimum():
     assert int(ref.plan_decode_metadata(torch.tensor([64], dtype=torch.int32), 132, 4)[-1]) == 4
 
 
+@pytest.mark.parametrize("lens,unit,num_ctas,extra,want", [
+    ([8192] * 64, 64, 66, 4, 128),   # SGLang's decode bench at H 128: one request a CTA
+    ([8192] * 64, 64, 66, 2, 125),   # 3 units above the balanced 125: too many at 2
+    ([8192] * 64, 64, 66, -1, 125),  # never
+    ([4096] * 128, 64, 66, 4, 128),  # two requests a CTA
+    ([4096] * 128, 64, 132, 4, 64),  # the balanced share is already one request
+    ([700] * 8, 64, 132, 4, 2),      # one request (11 units) a CTA would be 9 above 2
+    ([100] * 4, 64, 132, 4, 2),      # 2-unit requests: the minimum is a whole request
+    ([8192] * 63 + [8128], 64, 66, 4, 125),  # lengths differ by one unit: balanced
+    ([0] * 5, 64, 66, 4, 2),         # no keys at all: the minimum
+])
+def test_equal_lengths_take_whole_requests_when_it_costs_few_units(lens, unit, num_ctas, extra,
+                                                                    want):
+    seq = torch.tensor(lens, dtype=torch.int32)
+    meta = ref.plan_decode_metadata(seq, num_ctas, 2, unit, extra)
+    assert int(meta[-1]) == want
+    if len(set(lens)) == 1 and lens[0] > 0 and want % -(-lens[0] // unit) == 0:
+        # whole requests: no request is split over CTAs, so no partial slot is used
+        assert all(p[3] == -1 for ps in ref.decode_schedule(meta, num_ctas) for p in ps)
+
+
 # ---- the split minimum and the workspace's partial buffers (mla_backend.ops.dense)
 
 def test_min_units_rounds_up_and_reads_the_minimum_at_call_time(monkeypatch):

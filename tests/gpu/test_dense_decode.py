@@ -183,15 +183,28 @@ def test_large_scale_sharp_softmax():
     _check([300, 2000], 1, 32, scale=0.5)
 
 
-def test_planner_matches_python_twin():
-    seq = torch.randint(0, 20000, (300,), generator=torch.Generator().manual_seed(8),
-                        dtype=torch.int32)
-    seq[::7] = 0
+@pytest.mark.parametrize("seq", [
+    torch.randint(0, 20000, (300,), generator=torch.Generator().manual_seed(8),
+                  dtype=torch.int32).index_fill_(0, torch.arange(0, 300, 7), 0),
+    torch.full((64,), 8192, dtype=torch.int32),   # equal lengths: whole requests at H 128
+    torch.full((128,), 4096, dtype=torch.int32),
+    torch.full((1500,), 1000, dtype=torch.int32),  # more requests than the block's 1024 threads
+], ids=["ragged", "equal-64x8k", "equal-128x4k", "equal-1500x1k"])
+def test_planner_matches_python_twin(seq):
     for heads in (16, 128):
         plan = ops.plan_decode(seq.cuda(), 1, heads)
         min_units = -(-ops.MIN_TOKENS_PER_CTA // plan.unit_tokens)
-        want = ref.plan_decode_metadata(seq, plan.num_ctas, min_units, plan.unit_tokens)
+        want = ref.plan_decode_metadata(seq, plan.num_ctas, min_units, plan.unit_tokens,
+                                        ops.DENSE_WHOLE_REQUEST_EXTRA_UNITS)
         assert torch.equal(plan.metadata.cpu(), want)
+
+
+# equal lengths: whole requests per CTA (no split, nothing merged) where the planner takes them
+@pytest.mark.parametrize("heads,s_q,lens", [(128, 1, [4096] * 64), (128, 2, [2048] * 33),
+                                            (64, 1, [3000] * 130), (16, 1, [1000] * 264)])
+def test_equal_lengths_whole_requests(heads, s_q, lens):
+    plan = _check(lens, s_q, heads)
+    assert _split_and_empty(plan)[0] == 0, "equal lengths should leave no request split"
 
 
 def test_plan_reused_by_several_layers_and_refilled_in_place():
