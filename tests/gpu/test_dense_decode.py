@@ -30,22 +30,12 @@ from tests.helpers import (
     case_seed,
     dense_row_keys,
     e4m3_codes,
-    force_dense_kernel,
     nan_outputs,
     paged_case,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("few_rows_kernel")]
 SCALE = 576 ** -0.5
-
-
-@pytest.fixture(autouse=True, params=["rule", "mma.sync"])
-def few_rows_kernel(request, monkeypatch):
-    """Every test twice: steps of <= 16 query rows on the library's kernel choice, then on the
-    mma.sync kernel at every batch (which the library takes only for an fp8 cache from 32
-    requests on), so both kernels meet every case."""
-    force_dense_kernel(monkeypatch, request.param)
-    return request.param
 
 
 def _name(lens, s_q, heads, dtype, **extra) -> str:
