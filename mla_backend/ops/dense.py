@@ -176,8 +176,11 @@ def _workspace(max_batch: int, q_tokens: range | list[int], num_heads: int, kv_f
     """Buffers for every plan with batch <= max_batch and s_q in q_tokens (op: the public op
     allocating them, named if the extension is missing)."""
     part_dtype = _partial_dtype(op)
+    # the wgmma kernel at every batch; the mma.sync kernel too where the rule takes it for some
+    # batch <= max_batch (the rule's batch bound is a minimum)
     part_rows = max(2 * _grid(s_q * num_heads, num_sms, mma)[2] * s_q * num_heads
-                    for s_q in q_tokens for mma in (False, True))  # either kernel, any batch
+                    for s_q in q_tokens
+                    for mma in {False, _uses_mma(s_q * num_heads, max_batch, kv_fp8)})
     return DecodeWorkspace(
         max_batch=max_batch, max_q_tokens_per_req=max(q_tokens), num_heads=num_heads,
         kv_fp8=kv_fp8, num_sms=num_sms,

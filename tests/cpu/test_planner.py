@@ -120,6 +120,24 @@ def test_workspace_partials_follow_the_build(partial_width, width, dtype):
     assert plan.partial_out.data_ptr() == ws.partial_out.data_ptr()
 
 
+@pytest.mark.parametrize("max_batch,kv_fp8,ctas", [
+    (64, False, 132),  # 16-bit: the wgmma kernel at every batch, one 64-row tile, 132 CTAs
+    (31, True, 132),   # fp8 below MMA_MIN_BATCH_FP8: wgmma only
+    (32, True, 264),   # fp8 from 32 requests: the mma.sync kernel's two CTAs per SM too
+])
+def test_workspace_partials_sized_for_the_kernels_the_rule_can_take(partial_width, max_batch,
+                                                                    kv_fp8, ctas):
+    from mla_backend.ops import dense
+
+    partial_width(2)
+    ws = dense._workspace(max_batch, [1], 16, kv_fp8, torch.device("cpu"), 132,
+                          "decode_workspace")
+    assert ws.partial_lse.numel() == 2 * ctas * 16
+    plan = ws.plan_view(max_batch, 1)  # the largest batch's plan fits the buffers
+    assert plan.partial_out.shape == (2 * plan.num_ctas, 16, 512)
+    assert plan.rows_per_cta == (16 if ctas == 264 else 64)
+
+
 def test_partials_reach_the_kernel_in_q_dtype():
     from mla_backend.ops import dense
 
