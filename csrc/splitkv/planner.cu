@@ -10,6 +10,8 @@
 namespace mla_backend::splitkv {
 namespace {
 
+constexpr int kWholeShareDivisor = 32;  // whole requests may also cost 1/32 of the balanced share
+
 __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict__ lens, int batch, int repeat,
                                                           int max_len, int* __restrict__ meta, int num_ctas,
                                                           int min_units, int unit, int whole_extra) {
@@ -40,7 +42,7 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
     if (whole_extra >= 0 && batch > 0 && fewest == most && most > 0) {  // equal lengths
       const int u = most;
       const int whole = u * max((batch + num_ctas - 1) / num_ctas, (min_units + u - 1) / u);
-      if (whole - per_cta <= whole_extra) per_cta = whole;
+      if (whole - per_cta <= max(whole_extra, per_cta / kWholeShareDivisor)) per_cta = whole;
     }
     meta[batch + 1] = per_cta;
   }

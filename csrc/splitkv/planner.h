@@ -12,8 +12,8 @@ namespace mla_backend::splitkv {
 // topk_length per batch entry, one request per (entry, query token), max_len = topk.
 // whole_extra >= 0: when every request has the same u > 0 units, U becomes a whole number of
 // requests, u * max(ceil(batch / num_ctas), ceil(min_units / u)), if that is at most
-// whole_extra units above the balanced U: no request is split, so no partials and nothing to
-// merge. -1: never.
+// max(whole_extra, balanced U / 32) units above the balanced U: no request is split, so no
+// partials and nothing to merge. -1: never.
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
                     int unit, int whole_extra, cudaStream_t stream);
 

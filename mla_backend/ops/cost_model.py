@@ -35,9 +35,9 @@ MMA_MIN_BATCH_FP8: int | None = 32
 
 # Dense decode of requests that all have the same length: each CTA takes whole requests (none
 # split: no partials, nothing to merge) when that gives a CTA at most this many units (pages
-# of the wgmma kernel, 32-key units of the mma.sync kernel) more than the balanced share; -1:
-# never. The same trade as the sparse planner's WHOLE_REQUEST_EXTRA_UNITS. Read at each plan
-# (bench/dense_decode.py --whole-extra).
+# of the wgmma kernel, 32-key units of the mma.sync kernel), or 1/32 of the balanced share if
+# that is more, above the balanced share; -1: never. The same trade as the sparse planner's
+# WHOLE_REQUEST_EXTRA_UNITS. Read at each plan (bench/dense_decode.py --whole-extra).
 DENSE_WHOLE_REQUEST_EXTRA_UNITS = 4
 
 # Measured on the H100 for sparse decode: splitting a request over CTAs (a partial write per

@@ -61,10 +61,14 @@ def test_units_per_cta_balances_and_respects_minimum():
 
 @pytest.mark.parametrize("lens,unit,num_ctas,extra,want", [
     ([8192] * 64, 64, 66, 4, 128),   # SGLang's decode bench at H 128: one request a CTA
-    ([8192] * 64, 64, 66, 2, 125),   # 3 units above the balanced 125: too many at 2
+    ([8192] * 64, 64, 66, 2, 128),   # 3 units above 125: 2 is less than 125 // 32 = 3
+    ([4096] * 30, 64, 31, 1, 62),    # 2 units above 62: more than 1 and than 62 // 32
     ([8192] * 64, 64, 66, -1, 125),  # never
     ([4096] * 128, 64, 66, 4, 128),  # two requests a CTA
     ([4096] * 128, 64, 132, 4, 64),  # the balanced share is already one request
+    ([8192] * 128, 64, 66, 4, 256),  # 7 units above 249: more than 4, within 249 // 32
+    ([8192] * 67, 64, 66, 4, 130),   # two requests (256) would double the share of 130
+    ([1024] * 32, 64, 66, 4, 8),     # one request (16) would double the share of 8
     ([700] * 8, 64, 132, 4, 2),      # one request (11 units) a CTA would be 9 above 2
     ([100] * 4, 64, 132, 4, 2),      # 2-unit requests: the minimum is a whole request
     ([8192] * 63 + [8128], 64, 66, 4, 125),  # lengths differ by one unit: balanced
