@@ -30,10 +30,17 @@ pytestmark = [pytest.mark.gpu,
                                                     f"this machine has {_GPUS}")]
 
 
+# All-reduce through NCCL alone, for every backend alike: with multicast off, the engine hung
+# for 5 minutes right after FlashInfer's all-reduce-fusion workspace was set up (its
+# SymmDeviceMemory buffers; H100 x 2, 2026-11-27). Attention is untouched by either setting.
+PLAIN_ALL_REDUCE = {"enforce_disable_flashinfer_allreduce_fusion": True,
+                    "disable_custom_all_reduce": True}
+
+
 def _tp(backend: str) -> dict:
     env = {k: v for k, v in NO_MULTICAST.items() if k not in os.environ}
     return {"backend": backend, "env": env,
-            "engine_args": dict(DENSE["engine_args"], tp_size=TP)}
+            "engine_args": dict(DENSE["engine_args"], tp_size=TP, **PLAIN_ALL_REDUCE)}
 
 
 # label -> overrides of engine_runs.BASE (also read by tests/sglang_cpu)
