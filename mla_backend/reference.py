@@ -24,6 +24,7 @@ from . import formats
 D_QK = 576
 D_V = 512
 PAGE_SIZE = 64
+WHOLE_SHARE_DIVISOR = 32  # whole requests may cost 1/32 of the share (splitkv/planner.cu)
 
 
 def _dequantize_rows(rows: torch.Tensor, kv_scale: torch.Tensor | float | None,
@@ -178,7 +179,7 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
     units [P[b], P[b+1]), a unit being unit_tokens keys) and U, the units per CTA. With
     whole_extra >= 0 and every request of the same u > 0 units, U is a whole number of
     requests, u * max(ceil(B / num_ctas), ceil(min_units / u)), when that is at most
-    max(whole_extra, balanced U // 32) above the balanced U."""
+    max(whole_extra, balanced U // WHOLE_SHARE_DIVISOR) above the balanced U."""
     units = (seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1) // unit_tokens
     prefix = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64)
     prefix[1:] = torch.cumsum(units.cpu(), 0)
@@ -188,7 +189,7 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
     if whole_extra >= 0 and batch > 0 and int(units.min()) == int(units.max()) > 0:
         u = int(units.max())
         whole = u * max(-(-batch // num_ctas), -(-min_units // u))
-        if whole - per_cta <= max(whole_extra, per_cta // 32):
+        if whole - per_cta <= max(whole_extra, per_cta // WHOLE_SHARE_DIVISOR):
             per_cta = whole
     return torch.cat([prefix, torch.tensor([per_cta])]).to(torch.int32)
 

@@ -30,9 +30,9 @@ pytestmark = [pytest.mark.gpu,
                                                     f"this machine has {_GPUS}")]
 
 
-# All-reduce through NCCL alone, for every backend alike: with multicast off, the engine hung
-# for 5 minutes right after FlashInfer's all-reduce-fusion workspace was set up (its
-# SymmDeviceMemory buffers; H100 x 2, 2026-11-27). Attention is untouched by either setting.
+# All-reduce through NCCL alone, for every backend alike: with multicast off (the GPU machines'
+# rule), SGLang's default engine hangs right after FlashInfer's all-reduce-fusion workspace is
+# set up. Attention is untouched by either setting.
 PLAIN_ALL_REDUCE = {"enforce_disable_flashinfer_allreduce_fusion": True,
                     "disable_custom_all_reduce": True}
 
