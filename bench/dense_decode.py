@@ -534,8 +534,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "[0.5, 1.5] x the mean)")
     ap.add_argument("--whole-extra", type=int, default=None, metavar="N",
                     help="bench only: ours' DENSE_WHOLE_REQUEST_EXTRA_UNITS (whole requests per "
-                         "CTA for equal lengths when at most N units above the balanced share; "
-                         "-1: never)")
+                         "CTA for equal lengths when at most N units, or 1/32 of the balanced "
+                         "share if more, above that share; -1: never)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks for failures")
     args = ap.parse_args(argv)
     if args.rounds < 0:
