@@ -255,10 +255,20 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
     if constexpr (kFmt == KvFormat::kFp8) {
       // convert the staged unit: 16 e4m3 values per chunk -> 16 values of T (exact)
       const unsigned char* src = sStages + stage * Cfg::kSmemStage;
-      for (int i = tid; i < kUnit * (kDqk / 16); i += Cfg::kThreads) {
-        const int t = i / (kDqk / 16), ch = i % (kDqk / 16);
-        const uint4 raw = *reinterpret_cast<const uint4*>(src + t * kDqk + ch * 16);
-        store_e4m3x16<T>(sKfp8 + t * kSmemRow + ch * 16, raw, 1.f);
+      // every chunk a thread converts is read before the first store: the compiler keeps each
+      // shared-memory load behind the stores before it, which would serialise the loop
+      constexpr int kChunks = kUnit * (kDqk / 16), kPer = kChunks / Cfg::kThreads;
+      static_assert(kChunks % Cfg::kThreads == 0, "whole chunks per thread");
+      uint4 raw[kPer];
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int i = tid + k * Cfg::kThreads;
+        raw[k] = *reinterpret_cast<const uint4*>(src + (i / (kDqk / 16)) * kDqk + (i % (kDqk / 16)) * 16);
+      }
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int i = tid + k * Cfg::kThreads;
+        store_e4m3x16<T>(sKfp8 + (i / (kDqk / 16)) * kSmemRow + (i % (kDqk / 16)) * 16, raw[k], 1.f);
       }
       __syncthreads();
       sK = sKfp8;

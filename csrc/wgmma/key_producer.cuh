@@ -205,8 +205,13 @@ struct KeyProducer {
         *reinterpret_cast<uint4*>(gen + sw128_offset(e, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
       };
       auto put = [&](int j, uint4 raw) { put_at(256 * f.h + pt * 128 + j * 16, raw); };
+      // each half's four raw units are read before any is converted: the stores go through the
+      // same generic pointer, so the compiler keeps each load behind the previous store
+      uint4 lo[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) put(j, raw_at(j));  // to chunks 4h, 4h+2: no raw there
+      for (int j = 0; j < 4; ++j) lo[j] = raw_at(j);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) put(j, lo[j]);  // to chunks 4h, 4h+2: no raw there
       uint4 hi[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) hi[j] = raw_at(4 + j);
