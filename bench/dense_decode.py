@@ -9,6 +9,7 @@ Run on the GPU machine from the repository root (vLLM's kernels come from /opt/v
                                                          [--mma-max-rows N]
                                                          [--mma-min-batch B]
                                                          [--equal-lengths] [--whole-extra N]
+                                                         [--align-extra N]
 
 Kernels (bf16 cache [num_blocks, 64, 576], int32 block table / seq lens, causal, varlen):
   ours            mla_backend.ops.plan_decode + mla_decode
@@ -94,8 +95,9 @@ requests on, per cache dtype; else the wgmma kernel): 0 rows puts every step on 
 batch 1 every step of <= N rows on the mma.sync kernel. Recorded as mma_max_rows, mma_min_batch
 (null: the default). --equal-lengths gives every request exactly the mean length (as SGLang's
 and FlashInfer's decode benchmarks do); --whole-extra N replaces the library's
-DENSE_WHOLE_REQUEST_EXTRA_UNITS (whole requests per CTA for equal lengths; -1: never).
-Recorded as equal_lengths and whole_extra.
+DENSE_WHOLE_REQUEST_EXTRA_UNITS (whole requests per CTA for equal lengths; -1: never), and
+--align-extra N its DENSE_ALIGN_EXTRA_UNITS (aligned plans: every request on CTAs of its own;
+-1: never). Recorded as equal_lengths, whole_extra and align_extra.
 
 Exit status: 0; 1 if ours failed the correctness gate in some row; 2 if the run stopped early.
 """
@@ -391,7 +393,8 @@ def results_extra(kernels: list[str], metadata: dict[str, str],
                   min_tokens_per_cta: int | None = None,
                   mma_max_rows: int | None = None,
                   mma_min_batch: int | None = None, equal_lengths: bool = False,
-                  whole_extra: int | None = None) -> dict[str, object]:
+                  whole_extra: int | None = None,
+                  align_extra: int | None = None) -> dict[str, object]:
     """The results file's top-level description of the per-layer figures, and ours' split
     minimum and kernel choice where --min-tokens-per-cta / --mma-max-rows / --mma-min-batch
     replaced the library's."""
@@ -399,7 +402,7 @@ def results_extra(kernels: list[str], metadata: dict[str, str],
             "per_step_metadata": {k: metadata[k] for k in kernels if k in metadata},
             "min_tokens_per_cta": min_tokens_per_cta, "mma_max_rows": mma_max_rows,
             "mma_min_batch": mma_min_batch, "equal_lengths": equal_lengths,
-            "whole_extra": whole_extra}
+            "whole_extra": whole_extra, "align_extra": align_extra}
 
 
 def report(rows: list[BenchRow], kernels: list[str], copy_bw: float | None, out_path: Path,
@@ -451,7 +454,7 @@ def fp8_decode_block(args: argparse.Namespace, copy_bw: float | None = None) -> 
                              extra=results_extra(kernels, FP8_PER_STEP_METADATA,
                                                  args.min_tokens_per_cta, args.mma_max_rows,
                                                  args.mma_min_batch, args.equal_lengths,
-                                                 args.whole_extra))
+                                                 args.whole_extra, args.align_extra))
 
     ours_bad, status = run_matrix(m, kernels, FP8_BUILDERS, args, copy_bw, rows, save,
                                   fp8=True)
@@ -536,6 +539,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="bench only: ours' DENSE_WHOLE_REQUEST_EXTRA_UNITS (whole requests per "
                          "CTA for equal lengths when at most N units, or 1/32 of the balanced "
                          "share if more, above that share; -1: never)")
+    ap.add_argument("--align-extra", type=int, default=None, metavar="N",
+                    help="bench only: ours' DENSE_ALIGN_EXTRA_UNITS (an aligned plan, every "
+                         "request on CTAs of its own, when it needs at most N units per CTA "
+                         "above the balanced share; -1: never)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks for failures")
     args = ap.parse_args(argv)
     if args.rounds < 0:
@@ -549,6 +556,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--mma-min-batch must be >= 1; got {args.mma_min_batch}")
     if args.whole_extra is not None and args.whole_extra < -1:
         ap.error(f"--whole-extra must be >= -1; got {args.whole_extra}")
+    if args.align_extra is not None and not -1 <= args.align_extra <= 1024:
+        ap.error(f"--align-extra must be in [-1, 1024]; got {args.align_extra}")
     peers = [p for p in args.peers.split(",") if p]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -633,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"ours' whole-request margin {args.whole_extra} units (--whole-extra; the library's "
             f"is {cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS})")
         cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS = args.whole_extra
+    if args.align_extra is not None:
+        from mla_backend.ops import cost_model
+
+        log(f"ours' aligned-plan margin {args.align_extra} units (--align-extra; the library's "
+            f"is {cost_model.DENSE_ALIGN_EXTRA_UNITS})")
+        cost_model.DENSE_ALIGN_EXTRA_UNITS = args.align_extra
     if args.equal_lengths:
         dense_inputs.EQUAL_LENGTHS = True
         log("every request exactly the mean seq_len (--equal-lengths)")
@@ -657,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
                                  extra=results_extra(args.kernels, PER_STEP_METADATA,
                                                      args.min_tokens_per_cta,
                                                      args.mma_max_rows, args.mma_min_batch,
-                                                     args.equal_lengths, args.whole_extra))
+                                                     args.equal_lengths, args.whole_extra,
+                                                     args.align_extra))
 
         ours_bad, status = run_matrix(m, args.kernels, BUILDERS, args, copy_bw, rows, save)
         save()

@@ -174,12 +174,16 @@ def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
-                         unit_tokens: int = 32, whole_extra: int = -1) -> torch.Tensor:
+                         unit_tokens: int = 32, whole_extra: int = -1,
+                         align_extra: int = -1) -> torch.Tensor:
     """Twin of the GPU planner: int32 [B + 2] = unit prefix sums P[0..B] (request b owns
     units [P[b], P[b+1]), a unit being unit_tokens keys) and U, the units per CTA. With
     whole_extra >= 0 and every request of the same u > 0 units, U is a whole number of
     requests, u * max(ceil(B / num_ctas), ceil(min_units / u)), when that is at most
-    max(whole_extra, balanced U // WHOLE_SHARE_DIVISOR) above the balanced U."""
+    max(whole_extra, balanced U // WHOLE_SHARE_DIVISOR) above the balanced U. Otherwise, with
+    align_extra >= 0 and 2 <= B <= min(num_ctas, 1024): aligned, if some U at most align_extra above
+    the balanced one has sum(ceil(units / U)) <= num_ctas; the smallest such U, and
+    P[b + 1] = U * sum(ceil(units[:b + 1] / U)) (request b's units past its own are padding)."""
     units = (seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1) // unit_tokens
     prefix = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64)
     prefix[1:] = torch.cumsum(units.cpu(), 0)
@@ -190,15 +194,25 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
         u = int(units.max())
         whole = u * max(-(-batch // num_ctas), -(-min_units // u))
         if whole - per_cta <= max(whole_extra, per_cta // WHOLE_SHARE_DIVISOR):
-            per_cta = whole
+            return torch.cat([prefix, torch.tensor([whole])]).to(torch.int32)
+    if align_extra >= 0 and 2 <= batch <= min(num_ctas, 1024):
+        for u_cta in range(per_cta, per_cta + align_extra + 1):
+            ctas = (units.cpu() + u_cta - 1) // u_cta
+            if int(ctas.sum()) <= num_ctas:
+                prefix[1:] = torch.cumsum(ctas, 0) * u_cta
+                return torch.cat([prefix, torch.tensor([u_cta])]).to(torch.int32)
     return torch.cat([prefix, torch.tensor([per_cta])]).to(torch.int32)
 
 
-def decode_schedule(metadata: torch.Tensor, num_ctas: int) -> list[list[tuple[int, int, int, int]]]:
+def decode_schedule(metadata: torch.Tensor, num_ctas: int,
+                    units: list[int] | None = None) -> list[list[tuple[int, int, int, int]]]:
     """The pieces each CTA computes under a plan: per CTA a list of
     (request, first_unit, end_unit, slot), slot = -1 when the request lies wholly inside
     the CTA (written straight to the output), else its partial slot (0: the CTA's first
-    request, 1: its last). Mirrors csrc/splitkv/planner.cu for the planner tests."""
+    request, 1: its last). units (each request's own units; None: its whole plan range)
+    clamps a piece as the dense kernels do (an aligned plan's padding is computed by no CTA;
+    a CTA of the request whose range is all padding would keep an empty piece). Mirrors
+    csrc/splitkv/schedule.cuh for the planner tests."""
     meta = [int(x) for x in metadata.tolist()]
     prefix, per_cta = meta[:-1], meta[-1]
     batch, total = len(prefix) - 1, prefix[-1]
@@ -210,6 +224,8 @@ def decode_schedule(metadata: torch.Tensor, num_ctas: int) -> list[list[tuple[in
             lo, hi = max(prefix[r], begin), min(prefix[r + 1], end)
             if lo >= hi:
                 continue
+            if units is not None:
+                hi = min(hi, prefix[r] + units[r])
             split = prefix[r] // per_cta != (prefix[r + 1] - 1) // per_cta
             slot = (0 if prefix[r] <= begin else 1) if split else -1
             pieces.append((r, lo - prefix[r], hi - prefix[r], slot))

@@ -14,7 +14,15 @@ namespace mla_backend::splitkv {
 // requests, u * max(ceil(batch / num_ctas), ceil(min_units / u)), if that is at most
 // max(whole_extra, balanced U / 32) units above the balanced U: no request is split, so no
 // partials and nothing to merge. -1: never.
+// align_extra >= 0 (dense wgmma plans; not taken with whole requests, with one request, or with
+// more requests than min(num_ctas, 1024)): an aligned plan when some U at most align_extra units above the balanced
+// one gives each request CTAs of its own, sum of ceil(units_r / U) <= num_ctas. Then U is the
+// smallest such, and P[r + 1] = U * sum over r' <= r of ceil(units_r' / U): every request starts
+// on a CTA boundary, so no CTA runs two pieces (a second piece costs a CTA its pipeline restart).
+// A request's units past its own (fewer than U, in its last CTA's range) are padding that no CTA
+// computes: the kernels clamp a piece to the request's key count (splitkv::dense_piece_end).
+// -1: never.
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
-                    int unit, int whole_extra, cudaStream_t stream);
+                    int unit, int whole_extra, int align_extra, cudaStream_t stream);
 
 }  // namespace mla_backend::splitkv

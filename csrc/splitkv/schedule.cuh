@@ -67,6 +67,14 @@ __device__ __forceinline__ void for_each_piece(const DecodeParams& p, int u_begi
   }
 }
 
+// The end (in units from P[r], exclusive) of a dense piece of request r whose plan range ends at
+// plan_end: clamped to the request's own units, ceil(len / unit) for its key count len. An
+// aligned plan (planner.h) pads a request's units up to a multiple of U; the padding, in the
+// request's last CTA, is computed by no CTA. The next piece starts at the plan's end, not here.
+__device__ __forceinline__ int dense_piece_end(int plan_end, int len, int unit) {
+  return min(plan_end, (max(len, 0) + unit - 1) / unit);
+}
+
 // Sparse: the index list of query group r and its length (entries past it, and slots outside
 // [0, num_slots), are skipped like -1; the producers check them).
 __device__ __forceinline__ const int* sparse_group_indices(const DecodeParams& p, int r) {

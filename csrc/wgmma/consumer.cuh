@@ -231,8 +231,11 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   for (int u = u_begin; u < u_end;) {
     while (u >= P_at(r + 1)) ++r;
     const int Pr = P_at(r);
-    const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;  // page indices
     const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + r);
+    // page indices; plan_end: where the plan's range of r in this CTA ends (dense: pg_end without
+    // an aligned plan's padding)
+    const int pg_begin = u - Pr, plan_end = min(u_end, P_at(r + 1)) - Pr;
+    const int pg_end = kSparse ? plan_end : splitkv::dense_piece_end(plan_end, seq_len, kKeys);
     if (q_tma && tid == 0 && u == u_begin) load_q_dense(r);  // later pieces': the epilogue's
     // dense prologue: first pages of the piece (both buffers are free: the previous piece
     // ended with a CTA barrier after every wgmma retired)
@@ -541,9 +544,9 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     // kDenseQTma: the staged stores go through K0 (both K buffers idle: every wgmma retired
     // before the barrier above), so sQ is free and the next piece's Q lands under them
     const uint32_t stage = kDenseQTma ? sKbuf(0) : sQ;
-    if (q_tma && tid == 0 && Pr + pg_end < u_end) {
+    if (q_tma && tid == 0 && Pr + plan_end < u_end) {
       int rn = r + 1;  // the next piece's request: the first after r with units
-      while (Pr + pg_end >= P_at(rn + 1)) ++rn;
+      while (Pr + plan_end >= P_at(rn + 1)) ++rn;
       load_q_dense(rn);
     }
     if (kSparse && !split) {
@@ -616,7 +619,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     }  // staged or direct stores
     consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers: the stage) are reused by the next piece
     if (tid == 0) TL(58);
-    u = Pr + pg_end;
+    u = Pr + plan_end;
   }
 }
 

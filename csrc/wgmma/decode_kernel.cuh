@@ -197,10 +197,12 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       for (int u = u_begin; u < u_end;) {
         while (u >= P_at(r + 1)) ++r;
         const int Pr = P_at(r);
-        const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;
-        // cache slot of this thread's entry of unit pg (-1: zero-filled, masked)
         const int* list = kSparse ? splitkv::sparse_group_indices(p, r) : nullptr;
         const int len = kSparse ? splitkv::sparse_group_len(p, r) : __ldg(p.seq_lens + r);
+        // as the consumers count them: plan_end without an aligned plan's padding (dense)
+        const int pg_begin = u - Pr, plan_end = min(u_end, P_at(r + 1)) - Pr;
+        const int pg_end = kSparse ? plan_end : splitkv::dense_piece_end(plan_end, len, kKeys);
+        // cache slot of this thread's entry of unit pg (-1: zero-filled, masked)
         // unit pg's entry for this thread as loaded (sparse: the listed slot; dense: the
         // page's block id; -1: none), and the cache slot it names (-1: zero-filled, masked).
         // The fp8 sources check the next pair's entries only when that pair starts: a check
@@ -291,7 +293,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
           slot_a = kLateCheck ? slot_from(next_a) : next_a;
           slot_b = kLateCheck ? slot_from(next_b) : next_b;
         }
-        u = Pr + pg_end;
+        u = Pr + plan_end;
       }
       if (pending.b >= 0) {
         cp_async_wait<0>();

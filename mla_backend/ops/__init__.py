@@ -14,6 +14,7 @@ from . import cost_model, dense, sparse
 from ._common import D_QK, D_V, MAX_HEADS, PAGE_SIZE, rows_in_place
 from .cost_model import (
     BF16_UNIT_US,
+    DENSE_ALIGN_EXTRA_UNITS,
     DENSE_WHOLE_REQUEST_EXTRA_UNITS,
     MIN_TOKENS_PER_CTA,
     SPLIT_FIXED_US,
@@ -50,7 +51,8 @@ _sparse_grid = sparse._sparse_grid
 _whole_requests_floor = cost_model._whole_requests_floor
 
 __all__ = [
-    "BF16_UNIT_US", "DENSE_WHOLE_REQUEST_EXTRA_UNITS", "D_QK", "D_V", "FP8_DS_MLA_BYTES",
+    "BF16_UNIT_US", "DENSE_ALIGN_EXTRA_UNITS", "DENSE_WHOLE_REQUEST_EXTRA_UNITS", "D_QK", "D_V",
+    "FP8_DS_MLA_BYTES",
     "MAX_HEADS", "MAX_Q_TOKENS_PER_REQ",
     "MAX_SPARSE_GROUPS", "MAX_TOPK", "MIN_TOKENS_PER_CTA", "PAGE_SIZE", "SPARSE_ROWS_PER_CTA",
     "SPARSE_UNIT_TOKENS", "SPLIT_FIXED_US", "SPLIT_US_PER_MB", "WHOLE_REQUEST_EXTRA_UNITS",

@@ -40,6 +40,14 @@ MMA_MIN_BATCH_FP8: int | None = 32
 # WHOLE_REQUEST_EXTRA_UNITS. Read at each plan (bench/dense_decode.py --whole-extra).
 DENSE_WHOLE_REQUEST_EXTRA_UNITS = 4
 
+# Dense decode on the wgmma kernel: an aligned plan (every request on CTAs of its own, its start
+# on a CTA boundary) when it needs at most this many units per CTA above the balanced share; -1:
+# never. A CTA whose range holds a request's start runs two pieces and restarts its pipeline in
+# between: measured on the H100 (2026-11-27) at 4-6 us per step, about 1.5 units of one CTA at
+# batch 32 (bench/results/dense_decode_spans-h100-80gb-hbm3-2026-11-27.json). Read at each plan
+# (bench/dense_decode.py --align-extra).
+DENSE_ALIGN_EXTRA_UNITS = 1
+
 # Measured on the H100 for sparse decode: splitting a request over CTAs (a partial write per
 # CTA, the merge kernel's launch and read) costs about 4 units of one CTA's time on a bf16
 # cache at H >= 64, and 3 on an fp8_ds_mla cache below 64 heads.

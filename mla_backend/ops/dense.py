@@ -91,6 +91,13 @@ def _grid(rows: int, num_sms: int, mma: bool) -> tuple[int, int, int]:
     return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
 
 
+def _align_extra(unit_tokens: int) -> int:
+    """The planner's align_extra for a plan of unit_tokens-key units: cost_model's
+    DENSE_ALIGN_EXTRA_UNITS on the wgmma kernel (64-key pages), whose pieces stop at a
+    request's keys; -1 on the mma.sync kernel, which would compute an aligned plan's padding."""
+    return cost_model.DENSE_ALIGN_EXTRA_UNITS if unit_tokens == 64 else -1
+
+
 def _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype) -> torch.Tensor:
     seq_lens = _require_tensor("seq_lens", seq_lens)
     _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
@@ -259,7 +266,8 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
     _extension.require("plan_decode")
     min_units = _min_units(plan.unit_tokens, _min_tokens_per_cta)
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
-                                      plan.unit_tokens, cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS)
+                                      plan.unit_tokens, cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
+                                      _align_extra(plan.unit_tokens))
     return plan
 
 

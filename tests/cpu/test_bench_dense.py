@@ -243,3 +243,16 @@ def test_equal_lengths_and_whole_extra_are_bench_options_recorded_in_the_results
                                                 True, 8))
     doc = json.loads(path.read_text())
     assert (doc["equal_lengths"], doc["whole_extra"]) == (True, 8)
+
+
+def test_align_extra_is_a_bench_option_recorded_in_the_results(tmp_path):
+    assert dd.parse_args([]).align_extra is None
+    assert dd.parse_args(["--align-extra", "-1"]).align_extra == -1
+    for bad in ("-2", "1025"):
+        with pytest.raises(SystemExit):
+            dd.parse_args(["--align-extra", bad])
+    path = tmp_path / "dense.json"
+    common.write_results(path, job=dd.JOB, gpu="test", date="2026-11-27", commit="x",
+                         copy_bw_gbs=None, rows=[],
+                         extra=dd.results_extra(["ours"], dd.PER_STEP_METADATA, align_extra=2))
+    assert json.loads(path.read_text())["align_extra"] == 2

@@ -1,5 +1,7 @@
 """Split-KV planner arithmetic (the Python twin of the GPU planner)."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -82,6 +84,62 @@ def test_equal_lengths_take_whole_requests_when_it_costs_few_units(lens, unit, n
     if len(set(lens)) == 1 and lens[0] > 0 and want % -(-lens[0] // unit) == 0:
         # whole requests: no request is split over CTAs, so no partial slot is used
         assert all(p[3] == -1 for ps in ref.decode_schedule(meta, num_ctas) for p in ps)
+
+
+# ---- aligned plans: every request on CTAs of its own when that costs few units a CTA
+
+@pytest.mark.parametrize("lens,num_ctas,min_units,extra", [
+    ([1190, 978, 777, 1151], 132, 2, 1),                     # the bench's batch 4 at 1k
+    ([0, 100, 33, 5000, 1], 8, 4, 40),
+    ([17, 0, 0, 900, 64, 65, 16384, 2], 66, 2, 2),
+    (torch.randint(0, 2000, (32,), generator=torch.Generator().manual_seed(3)).tolist(),
+     132, 2, 1),
+])
+def test_aligned_plan_starts_every_request_on_a_cta_and_covers_its_units_once(lens, num_ctas,
+                                                                              min_units, extra):
+    seq = torch.tensor(lens, dtype=torch.int32)
+    units = [-(-n // 64) for n in lens]
+    packed = ref.plan_decode_metadata(seq, num_ctas, min_units, 64)
+    meta = ref.plan_decode_metadata(seq, num_ctas, min_units, 64, align_extra=extra)
+    prefix, U = meta[:-1].tolist(), int(meta[-1])
+    assert int(packed[-1]) <= U <= int(packed[-1]) + extra
+    assert all(p % U == 0 for p in prefix)                    # every start on a CTA boundary
+    assert [-(-(b - a) // U) for a, b in pairwise(prefix)] == \
+        [-(-u // U) for u in units]                           # padding below one CTA's share
+    assert prefix[-1] // U <= num_ctas
+    sched = ref.decode_schedule(meta, num_ctas, units)
+    assert all(len(pieces) <= 1 for pieces in sched)          # one piece a CTA: no restart
+    covered = [[0] * u for u in units]
+    for pieces in sched:
+        for r, lo, hi, slot in pieces:
+            assert lo < hi and (slot == -1) == (units[r] <= U)
+            for u in range(lo, hi):
+                covered[r][u] += 1
+    assert all(c == 1 for row in covered for c in row)
+
+
+def test_aligned_plan_worked_by_hand():
+    # pages [19, 16, 13, 18] = 66 on 132 CTAs: balanced 1, minimum 2. U = 2 gives
+    # 10 + 8 + 7 + 9 = 34 CTAs, every request starting on one: P = [0, 20, 36, 50, 68]
+    seq = torch.tensor([1190, 978, 777, 1151], dtype=torch.int32)
+    meta = ref.plan_decode_metadata(seq, 132, 2, 64, align_extra=0)
+    assert meta.tolist() == [0, 20, 36, 50, 68, 2]
+    # packed, requests 1 and 2 start inside CTAs 9 and 17 (units 19 and 35)
+    assert ref.plan_decode_metadata(seq, 132, 2, 64).tolist() == [0, 19, 35, 48, 66, 2]
+
+
+@pytest.mark.parametrize("lens,num_ctas,extra,why", [
+    ([1000] * 200, 132, 4, "more requests than CTAs"),
+    ([5000], 132, 4, "one request: no start inside a CTA to avoid"),
+    ([0, 100, 33, 5000, 1], 8, 1, "pages [0, 2, 1, 79, 1] need 10 CTAs at U = 11 + 1"),
+    ([64 * 9] * 16 + [64 * 7], 16, 0, "U = 8 needs 2 CTAs for each 9-page request"),
+    ([4096] * 64, 132, 1, "equal lengths: whole requests first"),
+])
+def test_aligned_plan_not_taken(lens, num_ctas, extra, why):
+    seq = torch.tensor(lens, dtype=torch.int32)
+    meta = ref.plan_decode_metadata(seq, num_ctas, 2, 64, whole_extra=4, align_extra=extra)
+    packed = ref.plan_decode_metadata(seq, num_ctas, 2, 64, whole_extra=4)
+    assert torch.equal(meta, packed), why
 
 
 # ---- the split minimum and the workspace's partial buffers (mla_backend.ops.dense)

@@ -179,13 +179,16 @@ def test_large_scale_sharp_softmax():
     torch.full((64,), 8192, dtype=torch.int32),   # equal lengths: whole requests at H 128
     torch.full((128,), 4096, dtype=torch.int32),
     torch.full((1500,), 1000, dtype=torch.int32),  # more requests than the block's 1024 threads
-], ids=["ragged", "equal-64x8k", "equal-128x4k", "equal-1500x1k"])
+    torch.tensor([1190, 978, 0, 777, 1151, 5, 0], dtype=torch.int32),  # aligned (U = 2)
+    torch.randint(0, 2000, (32,), generator=torch.Generator().manual_seed(3), dtype=torch.int32),
+], ids=["ragged", "equal-64x8k", "equal-128x4k", "equal-1500x1k", "aligned-7", "aligned-32"])
 def test_planner_matches_python_twin(seq):
     for heads in (16, 128):
         plan = ops.plan_decode(seq.cuda(), 1, heads)
         min_units = -(-ops.MIN_TOKENS_PER_CTA // plan.unit_tokens)
         want = ref.plan_decode_metadata(seq, plan.num_ctas, min_units, plan.unit_tokens,
-                                        ops.DENSE_WHOLE_REQUEST_EXTRA_UNITS)
+                                        ops.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
+                                        ops.dense._align_extra(plan.unit_tokens))
         assert torch.equal(plan.metadata.cpu(), want)
 
 
@@ -195,6 +198,23 @@ def test_planner_matches_python_twin(seq):
 def test_equal_lengths_whole_requests(heads, s_q, lens):
     plan = _check(lens, s_q, heads)
     assert _split_and_empty(plan)[0] == 0, "equal lengths should leave no request split"
+
+
+# request starts inside CTAs' ranges (packed, align -1: such a CTA runs two pieces) and on
+# them (aligned: the pieces stop at each request's keys, the padding is computed by no CTA)
+@pytest.mark.parametrize("align", [-1, 1])
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("heads,s_q", [(16, 1), (128, 2)])
+def test_request_starts_inside_ctas_and_on_them(align, kv_fp8, heads, s_q, monkeypatch):
+    monkeypatch.setattr(ops.cost_model, "DENSE_ALIGN_EXTRA_UNITS", align)
+    lens = [1190, 978, 0, 777, 1151, 5, 4000, 63]
+    plan = _check_fp8(lens, s_q, heads) if kv_fp8 else _check(lens, s_q, heads)
+    meta = plan.metadata.cpu().tolist()
+    P, U = meta[:-1], meta[-1]
+    inside = [p for p in P[:-1] if p % U]
+    # the mma.sync kernel (the few_rows_kernel fixture's other case) never takes aligned plans
+    aligned = align == 1 and plan.unit_tokens == 64
+    assert (inside == []) == aligned, f"starts {P} on U = {U}, align {align}"
 
 
 def test_plan_reused_by_several_layers_and_refilled_in_place():
