@@ -14,7 +14,8 @@ from __future__ import annotations
 from ._common import D_V
 
 # Swept on the H200 for dense decode: 64 helped batch 1 at 1k keys but hurt it at 16k, and 256
-# hurt batch 1 at every length.
+# hurt batch 1 at every length. On the H100 (2026-11-27) 64 helped batch 1 at 1k (-4 to -7%)
+# and lost at batch 2 and at 4k (+0.2 to +1.5 us; docs/notes/2026-11-27-split-minimum-and-spans.md).
 MIN_TOKENS_PER_CTA = 128
 
 # Dense decode's kernel for few query rows (s_q * H <= MMA_MAX_ROWS: the head counts of TP 8 and
