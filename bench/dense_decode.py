@@ -9,7 +9,7 @@ Run on the GPU machine from the repository root (vLLM's kernels come from /opt/v
                                                          [--mma-max-rows N]
                                                          [--mma-min-batch B]
                                                          [--equal-lengths] [--whole-extra N]
-                                                         [--align-extra N]
+                                                         [--align-extra N] [--restart-pad N]
 
 Kernels (bf16 cache [num_blocks, 64, 576], int32 block table / seq lens, causal, varlen):
   ours            mla_backend.ops.plan_decode + mla_decode
@@ -97,7 +97,9 @@ batch 1 every step of <= N rows on the mma.sync kernel. Recorded as mma_max_rows
 and FlashInfer's decode benchmarks do); --whole-extra N replaces the library's
 DENSE_WHOLE_REQUEST_EXTRA_UNITS (whole requests per CTA for equal lengths; -1: never), and
 --align-extra N its DENSE_ALIGN_EXTRA_UNITS (aligned plans: every request on CTAs of its own;
--1: never). Recorded as equal_lengths, whole_extra and align_extra.
+-1: never), --restart-pad N its DENSE_RESTART_PAD_UNITS (padded plans: N units of padding after
+a request that ends inside a CTA; -1: never). Recorded as equal_lengths, whole_extra,
+align_extra and restart_pad.
 
 Exit status: 0; 1 if ours failed the correctness gate in some row; 2 if the run stopped early.
 """
@@ -389,12 +391,20 @@ def run_matrix(matrix: dict[str, tuple[int, ...]], kernels: list[str],
     return ours_bad, status
 
 
+# the planner's cost_model knobs the bench can replace: (args field, option, cost_model name, what)
+PLAN_KNOBS = [
+    ("whole_extra", "--whole-extra", "DENSE_WHOLE_REQUEST_EXTRA_UNITS", "whole-request margin"),
+    ("align_extra", "--align-extra", "DENSE_ALIGN_EXTRA_UNITS", "aligned-plan margin"),
+    ("restart_pad", "--restart-pad", "DENSE_RESTART_PAD_UNITS", "restart padding")]
+
+
 def results_extra(kernels: list[str], metadata: dict[str, str],
                   min_tokens_per_cta: int | None = None,
                   mma_max_rows: int | None = None,
                   mma_min_batch: int | None = None, equal_lengths: bool = False,
                   whole_extra: int | None = None,
-                  align_extra: int | None = None) -> dict[str, object]:
+                  align_extra: int | None = None,
+                  restart_pad: int | None = None) -> dict[str, object]:
     """The results file's top-level description of the per-layer figures, and ours' split
     minimum and kernel choice where --min-tokens-per-cta / --mma-max-rows / --mma-min-batch
     replaced the library's."""
@@ -402,7 +412,7 @@ def results_extra(kernels: list[str], metadata: dict[str, str],
             "per_step_metadata": {k: metadata[k] for k in kernels if k in metadata},
             "min_tokens_per_cta": min_tokens_per_cta, "mma_max_rows": mma_max_rows,
             "mma_min_batch": mma_min_batch, "equal_lengths": equal_lengths,
-            "whole_extra": whole_extra, "align_extra": align_extra}
+            "whole_extra": whole_extra, "align_extra": align_extra, "restart_pad": restart_pad}
 
 
 def report(rows: list[BenchRow], kernels: list[str], copy_bw: float | None, out_path: Path,
@@ -454,7 +464,8 @@ def fp8_decode_block(args: argparse.Namespace, copy_bw: float | None = None) -> 
                              extra=results_extra(kernels, FP8_PER_STEP_METADATA,
                                                  args.min_tokens_per_cta, args.mma_max_rows,
                                                  args.mma_min_batch, args.equal_lengths,
-                                                 args.whole_extra, args.align_extra))
+                                                 args.whole_extra, args.align_extra,
+                                                 args.restart_pad))
 
     ours_bad, status = run_matrix(m, kernels, FP8_BUILDERS, args, copy_bw, rows, save,
                                   fp8=True)
@@ -543,6 +554,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="bench only: ours' DENSE_ALIGN_EXTRA_UNITS (an aligned plan, every "
                          "request on CTAs of its own, when it needs at most N units per CTA "
                          "above the balanced share; -1: never)")
+    ap.add_argument("--restart-pad", type=int, default=None, metavar="N",
+                    help="bench only: ours' DENSE_RESTART_PAD_UNITS (a padded plan where no "
+                         "aligned one fits: N units of padding after each request that ends "
+                         "inside a CTA; -1: never)")
     ap.add_argument("--verbose", action="store_true", help="tracebacks for failures")
     args = ap.parse_args(argv)
     if args.rounds < 0:
@@ -558,6 +573,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--whole-extra must be >= -1; got {args.whole_extra}")
     if args.align_extra is not None and not -1 <= args.align_extra <= 1024:
         ap.error(f"--align-extra must be in [-1, 1024]; got {args.align_extra}")
+    if args.restart_pad is not None and not -1 <= args.restart_pad <= 255:
+        ap.error(f"--restart-pad must be in [-1, 255]; got {args.restart_pad}")
     peers = [p for p in args.peers.split(",") if p]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -636,18 +653,13 @@ def main(argv: list[str] | None = None) -> int:
             f"the library's: {cost_model.MMA_MIN_BATCH_16BIT} for a 16-bit cache, "
             f"{cost_model.MMA_MIN_BATCH_FP8} for fp8)")
         cost_model.MMA_MIN_BATCH_16BIT = cost_model.MMA_MIN_BATCH_FP8 = args.mma_min_batch
-    if args.whole_extra is not None:
-        from mla_backend.ops import cost_model
+    for value, option, name, what in PLAN_KNOBS:
+        if getattr(args, value) is not None:
+            from mla_backend.ops import cost_model
 
-        log(f"ours' whole-request margin {args.whole_extra} units (--whole-extra; the library's "
-            f"is {cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS})")
-        cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS = args.whole_extra
-    if args.align_extra is not None:
-        from mla_backend.ops import cost_model
-
-        log(f"ours' aligned-plan margin {args.align_extra} units (--align-extra; the library's "
-            f"is {cost_model.DENSE_ALIGN_EXTRA_UNITS})")
-        cost_model.DENSE_ALIGN_EXTRA_UNITS = args.align_extra
+            log(f"ours' {what} {getattr(args, value)} units ({option}; the library's is "
+                f"{getattr(cost_model, name)})")
+            setattr(cost_model, name, getattr(args, value))
     if args.equal_lengths:
         dense_inputs.EQUAL_LENGTHS = True
         log("every request exactly the mean seq_len (--equal-lengths)")
@@ -673,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      args.min_tokens_per_cta,
                                                      args.mma_max_rows, args.mma_min_batch,
                                                      args.equal_lengths, args.whole_extra,
-                                                     args.align_extra))
+                                                     args.align_extra, args.restart_pad))
 
         ours_bad, status = run_matrix(m, args.kernels, BUILDERS, args, copy_bw, rows, save)
         save()

@@ -25,6 +25,7 @@ D_QK = 576
 D_V = 512
 PAGE_SIZE = 64
 WHOLE_SHARE_DIVISOR = 32  # whole requests may cost 1/32 of the share (splitkv/planner.cu)
+PAD_MAX_BATCH = 256  # padded plans up to this many requests (splitkv/planner.h kPadMaxBatch)
 
 
 def _dequantize_rows(rows: torch.Tensor, kv_scale: torch.Tensor | float | None,
@@ -175,7 +176,7 @@ def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
 
 def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
                          unit_tokens: int = 32, whole_extra: int = -1,
-                         align_extra: int = -1) -> torch.Tensor:
+                         align_extra: int = -1, restart_pad: int = -1) -> torch.Tensor:
     """Twin of the GPU planner: int32 [B + 2] = unit prefix sums P[0..B] (request b owns
     units [P[b], P[b+1]), a unit being unit_tokens keys) and U, the units per CTA. With
     whole_extra >= 0 and every request of the same u > 0 units, U is a whole number of
@@ -183,7 +184,11 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
     max(whole_extra, balanced U // WHOLE_SHARE_DIVISOR) above the balanced U. Otherwise, with
     align_extra >= 0 and 2 <= B <= min(num_ctas, 1024): aligned, if some U at most align_extra above
     the balanced one has sum(ceil(units / U)) <= num_ctas; the smallest such U, and
-    P[b + 1] = U * sum(ceil(units[:b + 1] / U)) (request b's units past its own are padding)."""
+    P[b + 1] = U * sum(ceil(units[:b + 1] / U)) (request b's units past its own are padding).
+    Otherwise, with restart_pad >= 0 and 2 <= B <= PAD_MAX_BATCH: padded, for the smallest U of
+    per_cta .. per_cta + 31 whose layout fits num_ctas * U units: each request but the last that
+    ends inside a CTA's range is followed by restart_pad units of padding, or by the units left
+    to that CTA's end where fewer remain."""
     units = (seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1) // unit_tokens
     prefix = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64)
     prefix[1:] = torch.cumsum(units.cpu(), 0)
@@ -201,6 +206,18 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
             if int(ctas.sum()) <= num_ctas:
                 prefix[1:] = torch.cumsum(ctas, 0) * u_cta
                 return torch.cat([prefix, torch.tensor([u_cta])]).to(torch.int32)
+    if restart_pad >= 0 and 2 <= batch <= PAD_MAX_BATCH:
+        own = [int(x) for x in units.tolist()]
+        for u_cta in range(per_cta, per_cta + 32):
+            pos, starts = 0, [0]
+            for b, u in enumerate(own):
+                pos += u
+                end = pos % u_cta  # the request's end, from its CTA's first unit
+                if u > 0 and end != 0 and b < batch - 1:
+                    pos += min(restart_pad, u_cta - end)
+                starts.append(pos)
+            if pos <= num_ctas * u_cta:
+                return torch.tensor(starts + [u_cta], dtype=torch.int32)
     return torch.cat([prefix, torch.tensor([per_cta])]).to(torch.int32)
 
 

@@ -23,7 +23,7 @@ using splitkv::kUnitMma;
 using splitkv::kUnitWgmma;
 
 void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int64_t min_units,
-                 int64_t unit_tokens, int64_t whole_extra, int64_t align_extra) {
+                 int64_t unit_tokens, int64_t whole_extra, int64_t align_extra, int64_t restart_pad) {
   STD_TORCH_CHECK(seq_lens.is_cuda() && seq_lens.scalar_type() == ScalarType::Int && seq_lens.is_contiguous(),
                   "plan_decode: seq_lens must be contiguous int32 on CUDA");
   STD_TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == ScalarType::Int &&
@@ -38,10 +38,13 @@ void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int
   STD_TORCH_CHECK(align_extra == -1 || (unit_tokens == kUnitWgmma && align_extra >= 0 && align_extra <= 1024),
                   "plan_decode: align_extra must be -1, or in [0, 1024] with unit_tokens ", kUnitWgmma, ", got ",
                   align_extra, " with unit_tokens ", unit_tokens);
+  STD_TORCH_CHECK(restart_pad == -1 || (unit_tokens == kUnitWgmma && restart_pad >= 0 && restart_pad <= 255),
+                  "plan_decode: restart_pad must be -1, or in [0, 255] with unit_tokens ", kUnitWgmma, ", got ",
+                  restart_pad, " with unit_tokens ", unit_tokens);
   const DeviceGuard guard(seq_lens.get_device_index());
   splitkv::launch_planner(seq_lens.const_data_ptr<int>(), int(seq_lens.numel()), 1, INT_MAX,
                           metadata.mutable_data_ptr<int>(), int(num_ctas), int(min_units), int(unit_tokens),
-                          int(whole_extra), int(align_extra), current_stream(seq_lens));
+                          int(whole_extra), int(align_extra), int(restart_pad), current_stream(seq_lens));
 }
 
 int64_t dense_partial_bytes() { return splitkv::kDense16BitPartials ? 2 : 4; }

@@ -17,7 +17,7 @@ constexpr int kWholeShareDivisor = 32;  // whole requests may also cost 1/32 of 
 __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict__ lens, int batch, int repeat,
                                                           int max_len, int* __restrict__ meta, int num_ctas,
                                                           int min_units, int unit, int whole_extra,
-                                                          int align_extra) {
+                                                          int align_extra, int restart_pad) {
   using Scan = cub::BlockScan<int, 1024>;
   __shared__ typename Scan::TempStorage tmp;
   cudaTriggerProgrammaticLaunchCompletion();
@@ -58,16 +58,18 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
     meta[batch + 1] = per_cta;
   }
   __syncthreads();
-  // aligned: the smallest U in [per_cta, per_cta + align_extra] that gives every request CTAs
-  // of its own (sum of ceil(units / U) <= num_ctas); its starts then become multiples of U.
-  // One warp does it from shared memory: no block-wide barrier per candidate.
-  if (align_extra < 0 || s_whole || batch < 2 || batch > min(num_ctas, 1024) || threadIdx.x >= 32) return;
+  // One warp picks an aligned plan, else a padded one, from shared memory (no block-wide
+  // barrier per candidate); without either the packed plan above stands.
+  if (s_whole || batch < 2 || threadIdx.x >= 32) return;
   using WarpSum = cub::WarpReduce<int>;
   using WarpScan = cub::WarpScan<int>;
   __shared__ typename WarpSum::TempStorage sum_tmp;
   __shared__ typename WarpScan::TempStorage scan_tmp;
   const int lane = threadIdx.x;
-  for (int U = s_per_cta; U <= s_per_cta + align_extra; ++U) {
+  // aligned: the smallest U in [per_cta, per_cta + align_extra] that gives every request CTAs
+  // of its own (sum of ceil(units / U) <= num_ctas); its starts then become multiples of U.
+  const int align_last = align_extra >= 0 && batch <= min(num_ctas, 1024) ? s_per_cta + align_extra : s_per_cta - 1;
+  for (int U = s_per_cta; U <= align_last; ++U) {
     int need = 0;
     for (int b = lane; b < batch; b += 32) need += (s_units[b] + U - 1) / U;
     need = __shfl_sync(0xffffffffu, WarpSum(sum_tmp).Sum(need), 0);  // the sum is lane 0's
@@ -85,14 +87,75 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
     if (lane == 0) meta[batch + 1] = U;
     return;
   }
+  // padded: lane i lays the requests out for U = per_cta + i, each request that ends inside a
+  // CTA's range (but the last) followed by restart_pad units of padding, or fewer where the
+  // CTA's range ends sooner (the padding never leaves that CTA); the smallest U whose layout
+  // fits num_ctas CTAs wins. The layout is a chain over the requests: each end's place in its
+  // CTA depends on every padding before it.
+  if (restart_pad < 0 || batch > kPadMaxBatch) return;
+  // the padding after request b for lane l: byte b % 4 of s_pad[b / 4][l]
+  __shared__ uint32_t s_pad[kPadMaxBatch / 4][32];
+  const int U = s_per_cta + lane;
+  const float inv_u = 1.f / float(U);
+  unsigned off = 0;  // where the next request starts, in units from its CTA's first
+  int pads = 0;
+  // 16 requests at a time: their remainders first (independent loads and arithmetic), then the
+  // chain through `off`, 5 dependent integer steps a request, in registers (shared-memory
+  // stores inside the chain would keep the compiler from hoisting the next loads above them)
+  constexpr int kChunk = 16;
+  for (int b0 = 0; b0 < batch; b0 += kChunk) {
+    int rem[kChunk];
+    uint32_t may_pad = 0;  // bit j: request b0 + j may be followed by padding (not empty, not the last)
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const int b = b0 + j;
+      const int u = b < batch ? s_units[b] : 0;
+      int m = u - __float2int_rz(float(u) * inv_u) * U;  // u mod U, the float quotient off by at most one
+      m += m < 0 ? U : 0;
+      m -= m >= U ? U : 0;
+      rem[j] = m;
+      may_pad |= (u > 0 && b < batch - 1 ? 1u : 0u) << j;
+    }
+    uint32_t packed[kChunk / 4] = {};
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const unsigned pad_b = (may_pad >> j) & 1u ? unsigned(restart_pad) : 0u;
+      const unsigned snap_b = unsigned(max(U - int(pad_b), 1));  // an end at t >= snap_b pads to the boundary
+      const unsigned t1 = off + unsigned(rem[j]), t2 = off + unsigned(rem[j] - U);
+      const unsigned t = min(t1, t2);  // the request's end, mod U (unsigned: t2 wraps when t1 < U)
+      const bool room = t - 1u < snap_b - 1u;  // 0 < t < snap_b: pad_b units fit before the boundary
+      off = room ? t + pad_b : 0u;
+      const unsigned pad = room ? pad_b : t == 0 ? 0u : unsigned(U) - t;
+      packed[j / 4] |= pad << (8 * (j % 4));
+      pads += int(pad);
+    }
+#pragma unroll
+    for (int k = 0; k < kChunk / 4; ++k)
+      if (b0 + 4 * k < batch) s_pad[(b0 >> 2) + k][lane] = packed[k];
+  }
+  const unsigned fits = __ballot_sync(0xffffffffu, int64_t(carry) + pads <= int64_t(num_ctas) * U);
+  if (fits == 0) return;
+  const int win = __ffs(int(fits)) - 1;
+  __syncwarp();  // s_pad is complete
+  int done = 0;
+  for (int base = 0; base < batch; base += 32) {
+    const int b = base + lane;
+    int incl, agg;
+    const int pad = b < batch ? int((s_pad[b >> 2][win] >> (8 * (b & 3))) & 0xffu) : 0;
+    WarpScan(scan_tmp).InclusiveSum(b < batch ? s_units[b] + pad : 0, incl, agg);
+    __syncwarp();  // scan_tmp is reused
+    if (b < batch) meta[b + 1] = done + incl;
+    done += agg;
+  }
+  if (lane == 0) meta[batch + 1] = s_per_cta + win;
 }
 
 }  // namespace
 
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
-                    int unit, int whole_extra, int align_extra, cudaStream_t stream) {
+                    int unit, int whole_extra, int align_extra, int restart_pad, cudaStream_t stream) {
   launch_pdl(plan_decode_kernel, dim3(1), dim3(1024), 0, stream, lens, batch, repeat, max_len, meta, num_ctas,
-             min_units, unit, whole_extra, align_extra);
+             min_units, unit, whole_extra, align_extra, restart_pad);
 }
 
 }  // namespace mla_backend::splitkv

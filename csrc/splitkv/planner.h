@@ -22,7 +22,17 @@ namespace mla_backend::splitkv {
 // A request's units past its own (fewer than U, in its last CTA's range) are padding that no CTA
 // computes: the kernels clamp a piece to the request's key count (splitkv::dense_piece_end).
 // -1: never.
+// restart_pad >= 0 (dense wgmma plans; not taken with whole requests or an aligned plan, with
+// one request, or with more than kPadMaxBatch requests): a padded plan. Each request that ends
+// inside a CTA's range, but the last, is followed by restart_pad units of padding, or by the
+// units left to that CTA's end where fewer remain (then the next request starts on the
+// boundary). A CTA that holds a request's end, and so starts a second piece, gets that many
+// fewer units of keys: the second piece's pipeline restart costs about as much. U is the
+// smallest of per_cta .. per_cta + 31 whose layout fits num_ctas * U units (none: the packed
+// plan). The padding stays inside the CTA of the request's last unit, so the schedule, the
+// kernels' piece clamp and the merge read it as an aligned plan's. -1: never.
+constexpr int kPadMaxBatch = 256;
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
-                    int unit, int whole_extra, int align_extra, cudaStream_t stream);
+                    int unit, int whole_extra, int align_extra, int restart_pad, cudaStream_t stream);
 
 }  // namespace mla_backend::splitkv

@@ -49,6 +49,16 @@ DENSE_WHOLE_REQUEST_EXTRA_UNITS = 4
 # (bench/dense_decode.py --align-extra).
 DENSE_ALIGN_EXTRA_UNITS = 1
 
+# Dense decode on the wgmma kernel, where no aligned plan fits: a padded plan, each request that
+# ends inside a CTA followed by this many units of padding (fewer where that CTA's range ends
+# sooner), so a CTA that restarts its pipeline for a second piece gets fewer keys; -1: never.
+# Measured on the H100 (2026-11-27), padded plans written by hand into the plan, mla_decode
+# alone, against the planner's plan: 4 was best or within 1% of the best of 0-6 on every row
+# (batch 32, 4k, H 16-128: -2.5 to -6.8%; batch 128, 1k, H 16-128: -4.8 to -7.7%; batch 32,
+# 1k, H 128, s_q 4: -12.9%; batch 128 at 16k -0.3%; docs/notes/2026-11-27-restart-padding.md).
+# Read at each plan (bench/dense_decode.py --restart-pad).
+DENSE_RESTART_PAD_UNITS = 4
+
 # Measured on the H100 for sparse decode: splitting a request over CTAs (a partial write per
 # CTA, the merge kernel's launch and read) costs about 4 units of one CTA's time on a bf16
 # cache at H >= 64, and 3 on an fp8_ds_mla cache below 64 heads.

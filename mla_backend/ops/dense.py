@@ -98,6 +98,12 @@ def _align_extra(unit_tokens: int) -> int:
     return cost_model.DENSE_ALIGN_EXTRA_UNITS if unit_tokens == 64 else -1
 
 
+def _restart_pad(unit_tokens: int) -> int:
+    """The planner's restart_pad for a plan of unit_tokens-key units: cost_model's
+    DENSE_RESTART_PAD_UNITS on the wgmma kernel, -1 on the mma.sync kernel (as _align_extra)."""
+    return cost_model.DENSE_RESTART_PAD_UNITS if unit_tokens == 64 else -1
+
+
 def _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype) -> torch.Tensor:
     seq_lens = _require_tensor("seq_lens", seq_lens)
     _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
@@ -267,7 +273,8 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
     min_units = _min_units(plan.unit_tokens, _min_tokens_per_cta)
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
                                       plan.unit_tokens, cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
-                                      _align_extra(plan.unit_tokens))
+                                      _align_extra(plan.unit_tokens),
+                                      _restart_pad(plan.unit_tokens))
     return plan
 
 

@@ -142,6 +142,59 @@ def test_aligned_plan_not_taken(lens, num_ctas, extra, why):
     assert torch.equal(meta, packed), why
 
 
+# ---- padded plans: a CTA that restarts for a second piece gets fewer units
+
+def test_padded_plan_worked_by_hand():
+    # pages [5, 3, 6, 2] = 16 on 4 CTAs, pad 2. U = 4: 5 + 2 | 3 + 2 (to the boundary) | 6 + 2 | 2
+    # = 22 > 16. U = 5: 5 (ends on a boundary) | 3 + 2 | 6 + 2 (its 6th unit in CTA 3) | 2 = 20
+    seq = torch.tensor([300, 192, 384, 100], dtype=torch.int32)
+    assert ref.plan_decode_metadata(seq, 4, 1, 64, restart_pad=2).tolist() == [0, 5, 10, 18, 20, 5]
+    assert ref.plan_decode_metadata(seq, 4, 1, 64).tolist() == [0, 5, 8, 14, 16, 4]
+    # CTA 3 holds request 2's last unit and request 3: 3 units of keys and one restart
+    assert ref.decode_schedule(ref.plan_decode_metadata(seq, 4, 1, 64, restart_pad=2), 4,
+                               [5, 3, 6, 2])[3] == [(2, 5, 6, 0), (3, 0, 2, -1)]
+
+
+@pytest.mark.parametrize("seed,batch,num_ctas,pad", [(1, 32, 132, 4), (2, 128, 66, 4), (3, 40, 33, 3),
+                                                     (4, 256, 132, 4), (5, 9, 8, 1), (6, 64, 132, 0)])
+def test_padded_plan_keeps_padding_in_the_ending_cta_and_covers_units_once(seed, batch, num_ctas, pad):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 9000, (batch,), generator=g)
+    lens[::7] = 0  # empty requests are skipped, not padded
+    seq = lens.to(torch.int32)
+    units = [-(-int(n) // 64) for n in lens]
+    packed = ref.plan_decode_metadata(seq, num_ctas, 2, 64)
+    meta = ref.plan_decode_metadata(seq, num_ctas, 2, 64, restart_pad=pad)
+    prefix, U = meta[:-1].tolist(), int(meta[-1])
+    assert int(packed[-1]) <= U < int(packed[-1]) + 32 and prefix[-1] <= num_ctas * U
+    for r, (a, b) in enumerate(pairwise(prefix)):
+        gap = b - a - units[r]
+        assert 0 <= gap <= pad and (gap == 0 or (units[r] > 0 and r < batch - 1)), (r, a, b)
+        if units[r] > 0:  # the padding ends in the CTA of the request's last unit
+            assert (a + units[r] - 1) // U == (b - 1) // U, (r, a, b, U)
+            assert gap == (min(pad, -(a + units[r]) % U) if r < batch - 1 else 0)
+    covered = [[0] * u for u in units]
+    for pieces in ref.decode_schedule(meta, num_ctas, units):
+        for r, lo, hi, _slot in pieces:
+            assert lo < hi, "a CTA with nothing of a request's keys"
+            for u in range(lo, hi):
+                covered[r][u] += 1
+    assert all(c == 1 for row in covered for c in row)
+
+
+@pytest.mark.parametrize("lens,num_ctas,why", [
+    ([1000] * 3 + [7000] * 254, 132, "more requests than kPadMaxBatch"),
+    ([5000], 132, "one request"),
+    ([1190, 978, 777, 1151], 132, "an aligned plan fits first"),
+    ([4096] * 64, 132, "equal lengths: whole requests first"),
+])
+def test_padded_plan_not_taken(lens, num_ctas, why):
+    seq = torch.tensor(lens, dtype=torch.int32)
+    meta = ref.plan_decode_metadata(seq, num_ctas, 2, 64, whole_extra=4, align_extra=1, restart_pad=4)
+    other = ref.plan_decode_metadata(seq, num_ctas, 2, 64, whole_extra=4, align_extra=1)
+    assert torch.equal(meta, other), why
+
+
 # ---- the split minimum and the workspace's partial buffers (mla_backend.ops.dense)
 
 def test_min_units_rounds_up_and_reads_the_minimum_at_call_time(monkeypatch):

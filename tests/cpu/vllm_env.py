@@ -170,7 +170,8 @@ def planner_stand_in(monkeypatch):
         min_units = -(-ops.MIN_TOKENS_PER_CTA // unit_tokens)
         meta = ref.plan_decode_metadata(seq_lens, num_ctas, min_units, unit_tokens,
                                         ops.cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
-                                        ops.dense._align_extra(unit_tokens))
+                                        ops.dense._align_extra(unit_tokens),
+                                        ops.dense._restart_pad(unit_tokens))
         return ops.DecodePlan(batch=seq_lens.shape[0], q_tokens_per_req=s_q, num_heads=heads,
                               kv_fp8=kv_cache_dtype is not None, rows_per_cta=rows_per_cta,
                               unit_tokens=unit_tokens, num_ctas=num_ctas, metadata=meta,

@@ -181,14 +181,19 @@ def test_large_scale_sharp_softmax():
     torch.full((1500,), 1000, dtype=torch.int32),  # more requests than the block's 1024 threads
     torch.tensor([1190, 978, 0, 777, 1151, 5, 0], dtype=torch.int32),  # aligned (U = 2)
     torch.randint(0, 2000, (32,), generator=torch.Generator().manual_seed(3), dtype=torch.int32),
-], ids=["ragged", "equal-64x8k", "equal-128x4k", "equal-1500x1k", "aligned-7", "aligned-32"])
+    torch.randint(0, 9000, (128,), generator=torch.Generator().manual_seed(4), dtype=torch.int32),
+    torch.randint(0, 9000, (256,), generator=torch.Generator().manual_seed(5), dtype=torch.int32),
+    torch.randint(0, 9000, (257,), generator=torch.Generator().manual_seed(6), dtype=torch.int32),
+], ids=["ragged", "equal-64x8k", "equal-128x4k", "equal-1500x1k", "aligned-7", "aligned-32",
+        "padded-128", "padded-256", "packed-257"])
 def test_planner_matches_python_twin(seq):
     for heads in (16, 128):
         plan = ops.plan_decode(seq.cuda(), 1, heads)
         min_units = -(-ops.MIN_TOKENS_PER_CTA // plan.unit_tokens)
         want = ref.plan_decode_metadata(seq, plan.num_ctas, min_units, plan.unit_tokens,
                                         ops.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
-                                        ops.dense._align_extra(plan.unit_tokens))
+                                        ops.dense._align_extra(plan.unit_tokens),
+                                        ops.dense._restart_pad(plan.unit_tokens))
         assert torch.equal(plan.metadata.cpu(), want)
 
 
@@ -207,6 +212,7 @@ def test_equal_lengths_whole_requests(heads, s_q, lens):
 @pytest.mark.parametrize("heads,s_q", [(16, 1), (128, 2)])
 def test_request_starts_inside_ctas_and_on_them(align, kv_fp8, heads, s_q, monkeypatch):
     monkeypatch.setattr(ops.cost_model, "DENSE_ALIGN_EXTRA_UNITS", align)
+    monkeypatch.setattr(ops.cost_model, "DENSE_RESTART_PAD_UNITS", -1)  # packed, not padded
     lens = [1190, 978, 0, 777, 1151, 5, 4000, 63]
     plan = _check_fp8(lens, s_q, heads) if kv_fp8 else _check(lens, s_q, heads)
     meta = plan.metadata.cpu().tolist()
@@ -215,6 +221,28 @@ def test_request_starts_inside_ctas_and_on_them(align, kv_fp8, heads, s_q, monke
     # the mma.sync kernel (the few_rows_kernel fixture's other case) never takes aligned plans
     aligned = align == 1 and plan.unit_tokens == 64
     assert (inside == []) == aligned, f"starts {P} on U = {U}, align {align}"
+
+
+# padded plans (no aligned plan fits): a request that ends inside a CTA is followed by padding
+# in that CTA, so the next request starts inside it after a gap the kernels skip
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("heads,s_q", [(16, 2), (128, 1)])
+def test_padded_plan_gaps_inside_ctas(kv_fp8, heads, s_q):
+    g = torch.Generator().manual_seed(case_seed(f"padded {heads} {s_q}"))
+    lens = torch.randint(1500, 6500, (40,), generator=g).tolist()
+    plan = _check_fp8(lens, s_q, heads) if kv_fp8 else _check(lens, s_q, heads)
+    meta = plan.metadata.cpu().tolist()
+    P, U = meta[:-1], meta[-1]
+    units = [-(-n // 64) for n in lens]
+    gaps = [P[r + 1] - P[r] - units[r] for r in range(len(lens))]
+    assert plan.unit_tokens == 64 and max(gaps) > 0, f"no padding in {P} on U = {U}"
+    assert all(0 <= gp <= ops.cost_model.DENSE_RESTART_PAD_UNITS for gp in gaps)
+    assert any(p % U for p in P[1:-1]), f"no request starts inside a CTA in {P} on U = {U}"
+    min_units = -(-ops.MIN_TOKENS_PER_CTA // plan.unit_tokens)
+    want = ref.plan_decode_metadata(torch.tensor(lens, dtype=torch.int32), plan.num_ctas,
+                                    min_units, 64, ops.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
+                                    ops.dense._align_extra(64), ops.dense._restart_pad(64))
+    assert meta == want.tolist()
 
 
 def test_plan_reused_by_several_layers_and_refilled_in_place():
