@@ -245,28 +245,20 @@ def test_equal_lengths_and_whole_extra_are_bench_options_recorded_in_the_results
     assert (doc["equal_lengths"], doc["whole_extra"]) == (True, 8)
 
 
-def test_restart_pad_is_a_bench_option_recorded_in_the_results(tmp_path):
-    assert dd.parse_args([]).restart_pad is None
-    assert dd.parse_args(["--restart-pad", "0"]).restart_pad == 0
-    for bad in ("-2", "256"):
+# the planner knobs the bench can replace: option, results field, a good value, bad values
+@pytest.mark.parametrize("option,field,good,bads", [
+    ("--align-extra", "align_extra", -1, ("-2", "1025")),
+    ("--restart-pad", "restart_pad", 0, ("-2", "256")),
+])
+def test_plan_knob_is_a_bench_option_recorded_in_the_results(option, field, good, bads, tmp_path):
+    assert getattr(dd.parse_args([]), field) is None
+    assert getattr(dd.parse_args([option, str(good)]), field) == good
+    for bad in bads:
         with pytest.raises(SystemExit):
-            dd.parse_args(["--restart-pad", bad])
+            dd.parse_args([option, bad])
     path = tmp_path / "dense.json"
     common.write_results(path, job=dd.JOB, gpu="test", date="2026-11-27", commit="x",
                          copy_bw_gbs=None, rows=[],
-                         extra=dd.results_extra(["ours"], dd.PER_STEP_METADATA, restart_pad=3))
-    assert json.loads(path.read_text())["restart_pad"] == 3
-    assert {k[0] for k in dd.PLAN_KNOBS} == {"whole_extra", "align_extra", "restart_pad"}
-
-
-def test_align_extra_is_a_bench_option_recorded_in_the_results(tmp_path):
-    assert dd.parse_args([]).align_extra is None
-    assert dd.parse_args(["--align-extra", "-1"]).align_extra == -1
-    for bad in ("-2", "1025"):
-        with pytest.raises(SystemExit):
-            dd.parse_args(["--align-extra", bad])
-    path = tmp_path / "dense.json"
-    common.write_results(path, job=dd.JOB, gpu="test", date="2026-11-27", commit="x",
-                         copy_bw_gbs=None, rows=[],
-                         extra=dd.results_extra(["ours"], dd.PER_STEP_METADATA, align_extra=2))
-    assert json.loads(path.read_text())["align_extra"] == 2
+                         extra=dd.results_extra(["ours"], dd.PER_STEP_METADATA, **{field: 3}))
+    assert json.loads(path.read_text())[field] == 3
+    assert field in {k[0] for k in dd.PLAN_KNOBS}
