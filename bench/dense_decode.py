@@ -391,11 +391,18 @@ def run_matrix(matrix: dict[str, tuple[int, ...]], kernels: list[str],
     return ours_bad, status
 
 
-# the planner's cost_model knobs the bench can replace: (args field, option, cost_model name, what)
+# the planner's cost_model knobs the bench can replace (bench only): (args field, option,
+# cost_model name, what it is in the log, the values allowed (None: no upper bound), help)
 PLAN_KNOBS = [
-    ("whole_extra", "--whole-extra", "DENSE_WHOLE_REQUEST_EXTRA_UNITS", "whole-request margin"),
-    ("align_extra", "--align-extra", "DENSE_ALIGN_EXTRA_UNITS", "aligned-plan margin"),
-    ("restart_pad", "--restart-pad", "DENSE_RESTART_PAD_UNITS", "restart padding")]
+    ("whole_extra", "--whole-extra", "DENSE_WHOLE_REQUEST_EXTRA_UNITS", "whole-request margin",
+     (-1, None), "whole requests per CTA for equal lengths when at most N units, or 1/32 of the "
+                 "balanced share if more, above that share; -1: never"),
+    ("align_extra", "--align-extra", "DENSE_ALIGN_EXTRA_UNITS", "aligned-plan margin",
+     (-1, 1024), "an aligned plan, every request on CTAs of its own, when it needs at most N "
+                 "units per CTA above the balanced share; -1: never"),
+    ("restart_pad", "--restart-pad", "DENSE_RESTART_PAD_UNITS", "restart padding",
+     (-1, 255), "a padded plan where no aligned one fits: N units of padding after each request "
+                "that ends inside a CTA; -1: never")]
 
 
 def results_extra(kernels: list[str], metadata: dict[str, str],
@@ -546,18 +553,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--equal-lengths", action="store_true",
                     help="every request exactly the mean seq_len (default: uniform in "
                          "[0.5, 1.5] x the mean)")
-    ap.add_argument("--whole-extra", type=int, default=None, metavar="N",
-                    help="bench only: ours' DENSE_WHOLE_REQUEST_EXTRA_UNITS (whole requests per "
-                         "CTA for equal lengths when at most N units, or 1/32 of the balanced "
-                         "share if more, above that share; -1: never)")
-    ap.add_argument("--align-extra", type=int, default=None, metavar="N",
-                    help="bench only: ours' DENSE_ALIGN_EXTRA_UNITS (an aligned plan, every "
-                         "request on CTAs of its own, when it needs at most N units per CTA "
-                         "above the balanced share; -1: never)")
-    ap.add_argument("--restart-pad", type=int, default=None, metavar="N",
-                    help="bench only: ours' DENSE_RESTART_PAD_UNITS (a padded plan where no "
-                         "aligned one fits: N units of padding after each request that ends "
-                         "inside a CTA; -1: never)")
+    for _, option, name, _, _, what in PLAN_KNOBS:
+        ap.add_argument(option, type=int, default=None, metavar="N",
+                        help=f"bench only: ours' {name} ({what})")
     ap.add_argument("--verbose", action="store_true", help="tracebacks for failures")
     args = ap.parse_args(argv)
     if args.rounds < 0:
@@ -569,12 +567,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  f"got {args.mma_max_rows}")
     if args.mma_min_batch is not None and args.mma_min_batch < 1:
         ap.error(f"--mma-min-batch must be >= 1; got {args.mma_min_batch}")
-    if args.whole_extra is not None and args.whole_extra < -1:
-        ap.error(f"--whole-extra must be >= -1; got {args.whole_extra}")
-    if args.align_extra is not None and not -1 <= args.align_extra <= 1024:
-        ap.error(f"--align-extra must be in [-1, 1024]; got {args.align_extra}")
-    if args.restart_pad is not None and not -1 <= args.restart_pad <= 255:
-        ap.error(f"--restart-pad must be in [-1, 255]; got {args.restart_pad}")
+    for field, option, _, _, (lo, hi), _ in PLAN_KNOBS:
+        value = getattr(args, field)
+        if value is not None and (value < lo or (hi is not None and value > hi)):
+            allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            ap.error(f"{option} must be {allowed}; got {value}")
     peers = [p for p in args.peers.split(",") if p]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -653,13 +650,13 @@ def main(argv: list[str] | None = None) -> int:
             f"the library's: {cost_model.MMA_MIN_BATCH_16BIT} for a 16-bit cache, "
             f"{cost_model.MMA_MIN_BATCH_FP8} for fp8)")
         cost_model.MMA_MIN_BATCH_16BIT = cost_model.MMA_MIN_BATCH_FP8 = args.mma_min_batch
-    for value, option, name, what in PLAN_KNOBS:
-        if getattr(args, value) is not None:
+    for field, option, name, what, _, _ in PLAN_KNOBS:
+        if getattr(args, field) is not None:
             from mla_backend.ops import cost_model
 
-            log(f"ours' {what} {getattr(args, value)} units ({option}; the library's is "
+            log(f"ours' {what} {getattr(args, field)} units ({option}; the library's is "
                 f"{getattr(cost_model, name)})")
-            setattr(cost_model, name, getattr(args, value))
+            setattr(cost_model, name, getattr(args, field))
     if args.equal_lengths:
         dense_inputs.EQUAL_LENGTHS = True
         log("every request exactly the mean seq_len (--equal-lengths)")

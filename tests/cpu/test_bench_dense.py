@@ -247,6 +247,7 @@ def test_equal_lengths_and_whole_extra_are_bench_options_recorded_in_the_results
 
 # the planner knobs the bench can replace: option, results field, a good value, bad values
 @pytest.mark.parametrize("option,field,good,bads", [
+    ("--whole-extra", "whole_extra", 8, ("-2",)),
     ("--align-extra", "align_extra", -1, ("-2", "1025")),
     ("--restart-pad", "restart_pad", 0, ("-2", "256")),
 ])
