@@ -110,7 +110,9 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
     for (int j = 0; j < kChunk; ++j) {
       const int b = b0 + j;
       const int u = b < batch ? s_units[b] : 0;
-      int m = u - __float2int_rz(float(u) * inv_u) * U;  // u mod U, the float quotient off by at most one
+      // u mod U: u <= all units <= num_ctas * U, so the float quotient is at most num_ctas and
+      // off by at most one, which the two corrections below undo
+      int m = u - __float2int_rz(float(u) * inv_u) * U;
       m += m < 0 ? U : 0;
       m -= m >= U ? U : 0;
       rem[j] = m;
