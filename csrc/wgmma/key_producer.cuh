@@ -4,6 +4,7 @@
 // in shared memory.
 #pragma once
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cutlass/arch/barrier.h>
@@ -30,9 +31,17 @@ namespace mla_backend::wgmma {
 // fill whose buffer is still busy first finishes the one before it, so a consumer never
 // waits on a fill the producer holds back. T: the tile's element type (the fp8 cache is
 // converted to it). fp8_ds_mla has its own producer (RegFp8Producer).
-template <typename T, KeySource kSrc>
+// kPaired (per-tensor fp8, two row tiles as a 2-CTA cluster): each CTA loads and converts 32
+// of the unit's 64 entries, 4 threads an entry (entry 32 rank + 8 warp + lane % 8, part
+// lane / 8), and each warp bulk-copies its 8 converted rows of every chunk to the peer's tile:
+// the two tiles read the same keys, so each page is converted once, not twice. A thread's
+// share of a half is then 64 values (80 with the rope): few enough to load into registers
+// before the release wait (load_raw, then put), so after a release only the conversion is
+// left, not the copy's latency.
+template <typename T, KeySource kSrc, bool kPaired = false>
 struct KeyProducer {
   static_assert(kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparse16, "fp8_ds_mla: RegFp8Producer");
+  static_assert(!kPaired || kSrc == KeySource::kPagedFp8, "only the per-tensor fp8 source runs paired");
   const DecodeParams& p;
   const unsigned char* kv;
   uint32_t kbuf0, bars_full, bars_empty;
@@ -40,15 +49,22 @@ struct KeyProducer {
   uint32_t* masks;
   int tk, part, warp, lane;
   uint32_t used = 0, empty_phase = 0;  // bit fill_id(b, h): that part filled before / parity
+  uint32_t peer_delta = 0;             // kPaired: the peer CTA's shared::cluster address of x is x + peer_delta
+
+  // this thread's entry and part as the constructor takes them
+  __device__ __forceinline__ static int entry_of(int wtid) {
+    return kPaired ? 32 * int(cute::block_rank_in_cluster()) + 8 * (wtid >> 5) + (wtid & 7) : wtid >> 1;
+  }
+  __device__ __forceinline__ static int part_of(int wtid) { return kPaired ? (wtid & 31) >> 3 : wtid & 1; }
 
   __device__ uint32_t kbuf(int b) const { return kbuf0 + b * kTileBytes; }
   // this thread's entry and part (tk, part), re-derived where the fp8 copies and
   // conversions use them: the offsets ptxas derived from tk and part once and kept across
   // the producer loop spilled the 56-register producer
   __device__ __forceinline__ void fresh_ids(int& e, int& q) const {
-    const uint32_t t = fresh_tid_x();
-    e = int((t & 127) >> 1);
-    q = int(t & 1);
+    const int t = int(fresh_tid_x() & 127);
+    e = entry_of(t);
+    q = part_of(t);
   }
   __device__ const unsigned char* token_row(int slot) const {
     const unsigned s = unsigned(slot);  // callers pass slot >= 0: unsigned division is cheaper
@@ -153,6 +169,7 @@ struct KeyProducer {
       // 128 e4m3 values staged raw: units 0-3 in chunk 4h + 1, units 4-7 in chunk 4h + 3, at
       // this entry's 128-byte row (see finish). Each thread copies what it converts (copy_rows'
       // whole-line copies measure slower here).
+      static_assert(!kPaired, "kPaired fills go through load_raw and put");
       const bool ok = slot >= 0;
       const unsigned char* row = ok ? token_row(slot) : kv;
       const int nbytes = ok ? 16 : 0;
@@ -231,6 +248,75 @@ struct KeyProducer {
     }
     cutlass::arch::fence_view_async_shared();
     ClusterBarrier::arrive(smem_ptr<uint64_t>(bars_full + fill_id(f.b, f.h) * 8));
+  }
+
+  // kPaired: this thread's raw bytes of half h of cache slot `slot` (-1: zeros), by plain
+  // 16-byte loads into registers: values 64 part .. 64 part + 63 of the half, and for h = 1
+  // the rope's 16 part .. 16 part + 15
+  struct Raw {
+    uint4 v[4];
+    uint4 rope;
+  };
+  __device__ __forceinline__ void load_raw(int h, int slot, Raw& r) const {
+    int e, pt;
+    fresh_ids(e, pt);
+    if (slot >= 0) {
+      const unsigned char* row = token_row(slot);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) r.v[j] = __ldg(reinterpret_cast<const uint4*>(row + h * 256 + pt * 64 + j * 16));
+      r.rope = h == 1 ? __ldg(reinterpret_cast<const uint4*>(row + 512 + pt * 16)) : make_uint4(0, 0, 0, 0);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) r.v[j] = make_uint4(0, 0, 0, 0);
+      r.rope = make_uint4(0, 0, 0, 0);
+    }
+  }
+  // kPaired: half h of buffer b from the loaded bytes: wait for its release (both CTAs'
+  // consumers), convert into chunk 4h + part (h = 1: the rope into chunk 8's units 2 part,
+  // 2 part + 1), share the rows with the peer and announce
+  __device__ __forceinline__ void put(int b, int h, const Raw& r) {
+    const int bit = fill_id(b, h);
+    if ((used >> bit) & 1) {
+      mbar_wait(bars_empty + bit * 8, (empty_phase >> bit) & 1);
+      empty_phase ^= 1u << bit;
+    }
+    used |= 1u << bit;
+    int e, pt;
+    fresh_ids(e, pt);
+    unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(kbuf(b)));
+    auto put_at = [&](int col, uint4 raw) {
+      uint32_t v[8];
+      convert_e4m3x16<T>(raw, 1.f, v);  // exact: kv_scale is folded into S and O
+      *reinterpret_cast<uint4*>(gen + sw128_offset(e, col)) = make_uint4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<uint4*>(gen + sw128_offset(e, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
+    };
+#pragma unroll
+    for (int j = 0; j < 4; ++j) put_at(256 * h + pt * 64 + j * 16, r.v[j]);
+    if (h == 1) put_at(512 + pt * 16, r.rope);
+    Fill f;
+    f.b = b; f.h = h;
+    share_with_peer(f);
+  }
+
+  // kPaired: once every lane's stores are fenced, lane 0 copies the warp's 8 rows (1 KiB,
+  // contiguous in each chunk) of the half's chunks to the peer's tile, completing on the
+  // peer's "full" barrier, and expects as many bytes from the peer's counterpart warp
+  __device__ __forceinline__ void share_with_peer(const Fill& f) const {
+    const uint32_t full = bars_full + fill_id(f.b, f.h) * 8;
+    cutlass::arch::fence_view_async_shared();
+    __syncwarp();
+    if (fresh_lane_id() == 0) {
+      constexpr uint32_t kRowBytes = 8 * 128;
+      const int c0 = 4 * f.h, c1 = f.h == 0 ? 4 : 9;
+      const uint32_t rows = uint32_t(32 * int(cute::block_rank_in_cluster()) + 8 * warp) * 128;
+      for (int c = c0; c < c1; ++c) {
+        const uint32_t src = kbuf(f.b) + c * kChunkBytes + rows;
+        bulk_copy_s2cluster(src + peer_delta, src, kRowBytes, full + peer_delta);
+      }
+      ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(full), kRowBytes * (c1 - c0));
+    } else {
+      ClusterBarrier::arrive(smem_ptr<uint64_t>(full));
+    }
   }
 };
 

@@ -19,7 +19,8 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   const int m_tiles = (p.rows + kRows - 1) / kRows;
   const dim3 grid(p.num_ctas, m_tiles);  // (the plan's CTA, the row tile)
-  STD_TORCH_CHECK(!kPaired || m_tiles == 2, "mla_decode: a paired launch needs exactly two row tiles");
+  STD_TORCH_CHECK(!kPaired || m_tiles % 2 == 0, "mla_decode: a paired launch needs an even number of row tiles, got ",
+                  m_tiles);
   CUtensorMap kv_map{};  // the producer sources copy keys without a tensor map
   QMaps q_maps{};        // kPagedFp8 copies Q without tensor maps
   if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);

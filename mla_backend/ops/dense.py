@@ -322,8 +322,9 @@ def _check_decode_args(q, kv_cache, block_table, seq_lens, plan, softmax_scale, 
         _check_kv_scale(kv_scale)
     elif kv_scale is not None:
         raise ValueError(f"kv_scale applies only to an fp8 kv_cache; kv_cache is {kv_cache.dtype}")
-    _require(kv_cache.stride(2) == 1 and kv_cache.stride(1) % 8 == 0
-             and kv_cache.stride(0) % 8 == 0 and kv_cache.data_ptr() % 16 == 0, "kv_cache",
+    per16 = 16 // kv_cache.element_size()  # elements per 16 bytes: 8 (16-bit), 16 (fp8)
+    _require(kv_cache.stride(2) == 1 and kv_cache.stride(1) % per16 == 0
+             and kv_cache.stride(0) % per16 == 0 and kv_cache.data_ptr() % 16 == 0, "kv_cache",
              kv_cache, "must be 16-byte aligned with a contiguous last dim and 16-byte aligned "
              "block/token strides")
     _require(block_table.dim() == 2 and block_table.dtype == torch.int32

@@ -75,6 +75,19 @@ def test_plan_must_match_q():
         ops.mla_decode(**args)
 
 
+@pytest.mark.parametrize("strides", [(64 * 584, 584, 1), (64 * 576 + 8, 576, 1)],
+                         ids=["token-stride-584", "block-stride-36872"])
+def test_fp8_cache_strides_must_be_16_byte_multiples(strides):
+    """A per-tensor fp8 cache whose token or block stride is 8 bytes off a 16-byte multiple:
+    the kernels' 16-byte copies of its rows would fault, so it is refused by name."""
+    args = _args()
+    flat = torch.zeros(4 * strides[0], dtype=torch.float8_e4m3fn)
+    args["kv_cache"] = flat.as_strided((4, 64, 576), strides)
+    args["plan"] = ops.DecodePlan(**{**args["plan"].__dict__, "kv_fp8": True})
+    with pytest.raises(ValueError, match="kv_cache must be 16-byte aligned"):
+        ops.mla_decode(**args, kv_scale=1.0)
+
+
 def test_kv_scale_without_fp8_cache():
     with pytest.raises(ValueError, match="kv_scale applies only to an fp8 kv_cache"):
         ops.mla_decode(**_args(), kv_scale=1.0)

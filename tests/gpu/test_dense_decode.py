@@ -394,7 +394,8 @@ def test_few_rows_on_each_kernel(few_rows_kernel, heads, s_q, kv_fp8):
 
 
 # rows = s_q * H <= 16: either kernel (the few_rows_kernel fixture); more: the wgmma kernel's
-# fp8 producer
+# fp8 producer, paired (each page converted once for two row tiles) where the 64-row tiles
+# come in pairs (H 128; H 64 at even s_q; H 16 at s_q 8), alone otherwise
 @pytest.mark.parametrize("heads", [1, 16, 20, 64, 128])
 @pytest.mark.parametrize("s_q", range(1, 9))
 def test_fp8_cache_heads_and_query_lengths(heads, s_q):
@@ -411,12 +412,12 @@ def test_fp8_cache_fp16_tensor_scale_strided(heads):
 # exponent is a wrong output, not a rounding
 @pytest.mark.parametrize("population", ["every", "subnormal", "largest"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads", [8, 64])  # few rows (either kernel) and many
+@pytest.mark.parametrize("heads", [8, 64, 128])  # few rows (either kernel), one tile, paired tiles
 def test_fp8_cache_every_e4m3_code(population, dtype, heads):
     _check_fp8([700, 64, 5], 1, heads, dtype=dtype, population=population)
 
 
-@pytest.mark.parametrize("heads", [8, 64])
+@pytest.mark.parametrize("heads", [8, 64, 128])
 def test_fp8_cache_nan_code_reaches_the_output(heads):
     """An e4m3 NaN (0x7F / 0xFF) in a token of request 1 makes request 1's rows NaN, as in
     the reference; request 0 is unaffected. out and lse are poisoned with +inf here, so a
@@ -444,7 +445,7 @@ def test_fp8_cache_one_long_request_many_splits_and_page_tails(heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("heads", [16, 64, 128])
 def test_fp8_cache_cuda_graph(heads, dtype):
     lens = [2000, 64, 900]
     q, cache16, table, seq = paged_case(lens, 1, heads, dtype=dtype, device="cuda",
