@@ -1,7 +1,7 @@
 // The producer warpgroup of the seesaw kernel for the kPagedFp8 and kSparse16 key sources,
 // and of the sparse kernel for H <= 16 (sparse/narrow_kernel.cuh): it copies each unit's 64
-// tokens into a K buffer with cp.async and, for the fp8 cache, converts them to 16-bit values
-// in shared memory.
+// tokens into a K buffer with cp.async (paired fp8 tiles: plain loads into registers, see
+// kPaired) and, for the fp8 cache, converts them to 16-bit values in shared memory.
 #pragma once
 
 #include <cute/arch/cluster_sm90.hpp>
@@ -19,8 +19,9 @@
 
 namespace mla_backend::wgmma {
 
-// Thread t of the producer's 128 handles list entry t / 2 of every unit (its slot, validity
-// and, fp8, the columns it converts; the bf16 source copies whole lines through copy_rows).
+// Thread t of the producer's 128 handles list entry t / 2 (kPaired: see below) of every unit
+// (its slot, validity and, fp8, the columns it converts; the bf16 source copies whole lines
+// through copy_rows).
 // Fills run in the order the consumers release parts of the K buffers (unit pair a, b: K0
 // left, K0 right, K1 right, K1 left; the bf16 source K0 left, K1 right, K0 right, K1 left; see
 // kFills and the consumer loop), each after the previous occupant's release ("empty"
@@ -198,6 +199,13 @@ struct KeyProducer {
     return f;
   }
 
+  // 16 e4m3 values as T at columns col .. col + 15 of row e of the tile at generic `tile`
+  __device__ __forceinline__ static void store_converted(unsigned char* tile, int e, int col, uint4 raw) {
+    uint32_t v[8];
+    convert_e4m3x16<T>(raw, 1.f, v);  // exact: kv_scale is folded into S and O
+    *reinterpret_cast<uint4*>(tile + sw128_offset(e, col)) = make_uint4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<uint4*>(tile + sw128_offset(e, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
+  }
   // the fill's copies have landed (caller waited): dequantize, publish to the async proxy,
   // announce
   __device__ void finish(const Fill& f) {
@@ -215,12 +223,7 @@ struct KeyProducer {
         return *reinterpret_cast<const uint4*>(gen + (4 * f.h + 1 + 2 * (j >> 2)) * kChunkBytes +
                                                raw_offset(e, pt * 4 + (j & 3)));
       };
-      auto put_at = [&](int col, uint4 raw) {
-        uint32_t v[8];
-        convert_e4m3x16<T>(raw, 1.f, v);  // exact: kv_scale is folded into S and O
-        *reinterpret_cast<uint4*>(gen + sw128_offset(e, col)) = make_uint4(v[0], v[1], v[2], v[3]);
-        *reinterpret_cast<uint4*>(gen + sw128_offset(e, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
-      };
+      auto put_at = [&](int col, uint4 raw) { store_converted(gen, e, col, raw); };
       auto put = [&](int j, uint4 raw) { put_at(256 * f.h + pt * 128 + j * 16, raw); };
       // each half's four raw units are read before any is converted: the stores go through the
       // same generic pointer, so the compiler keeps each load behind the previous store
@@ -284,15 +287,9 @@ struct KeyProducer {
     int e, pt;
     fresh_ids(e, pt);
     unsigned char* gen = reinterpret_cast<unsigned char*>(__cvta_shared_to_generic(kbuf(b)));
-    auto put_at = [&](int col, uint4 raw) {
-      uint32_t v[8];
-      convert_e4m3x16<T>(raw, 1.f, v);  // exact: kv_scale is folded into S and O
-      *reinterpret_cast<uint4*>(gen + sw128_offset(e, col)) = make_uint4(v[0], v[1], v[2], v[3]);
-      *reinterpret_cast<uint4*>(gen + sw128_offset(e, col + 8)) = make_uint4(v[4], v[5], v[6], v[7]);
-    };
 #pragma unroll
-    for (int j = 0; j < 4; ++j) put_at(256 * h + pt * 64 + j * 16, r.v[j]);
-    if (h == 1) put_at(512 + pt * 16, r.rope);
+    for (int j = 0; j < 4; ++j) store_converted(gen, e, 256 * h + pt * 64 + j * 16, r.v[j]);
+    if (h == 1) store_converted(gen, e, 512 + pt * 16, r.rope);
     Fill f;
     f.b = b; f.h = h;
     share_with_peer(f);
