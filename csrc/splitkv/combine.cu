@@ -33,6 +33,35 @@ constexpr int kFewBlocks = 512;    // below this many (row, request) blocks: kFe
 constexpr int kRowsMaxSplits = 8;
 constexpr int kRowsMinRows = 64;
 
+// max (NaN-propagating: a NaN lse, a NaN in the keys, makes the row NaN) or sum of v over the
+// warp's lanes
+__device__ __forceinline__ float warp_reduce(float v, bool is_max) {
+  const cutlass::maximum<float, true> fmax_nan;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffff, v, o);
+    v = is_max ? fmax_nan(v, w) : v + w;
+  }
+  return v;
+}
+
+// acc += w * the partials at src + k * k_stride, k < kLoads (16 bytes, kVals values each),
+// into acc[k * kVals / 4 ...]
+template <typename Part>
+__device__ __forceinline__ void add_split(float4 (&acc)[4], const Part* src, int k_stride, float w) {
+  constexpr int kVals = 16 / int(sizeof(Part)), kLoads = 16 / kVals;
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) {
+    float4 v[kVals / 4];
+    load_partials_16B(src + k * k_stride, v);
+#pragma unroll
+    for (int j = 0; j < kVals / 4; ++j) {
+      float4& a = acc[k * kVals / 4 + j];
+      a.x += w * v[j].x; a.y += w * v[j].y; a.z += w * v[j].z; a.w += w * v[j].w;
+    }
+  }
+}
+
 template <typename T, typename Part, int kCombineWarps>
 __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __grid_constant__ DecodeParams p) {
   constexpr int kCombineThreads = 32 * kCombineWarps;
@@ -60,11 +89,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __gri
     return (int64_t(c) * 2 + slot) * p.rows + row;
   };
   auto block_reduce = [&](float v, bool is_max) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float w = __shfl_xor_sync(0xffffffff, v, o);
-      v = is_max ? fmax_nan(v, w) : v + w;
-    }
+    v = warp_reduce(v, is_max);
     if (lane == 0) s_red[warp] = v;
     __syncthreads();
     v = s_red[0];
@@ -95,16 +120,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __gri
     for (int c = first + warp; c <= last; c += kCombineWarps) {
       const int64_t pr = slot_row(c);
       const float w = __expf(__ldg(p.part_lse + pr) - mx);
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        float4 v[kVals / 4];
-        load_partials_16B(part_out + pr * kDv + k * 32 * kVals + lane * kVals, v);
-#pragma unroll
-        for (int j = 0; j < kVals / 4; ++j) {
-          float4& a = acc[k * kVals / 4 + j];
-          a.x += w * v[j].x; a.y += w * v[j].y; a.z += w * v[j].z; a.w += w * v[j].w;
-        }
-      }
+      add_split(acc, part_out + pr * kDv + lane * kVals, 32 * kVals, w);
     }
   }
   if (warp > 0) {
@@ -199,14 +215,6 @@ __global__ void __launch_bounds__(32 * kRowWarps) combine_rows_kernel(const __gr
     const int slot = (c == first && Pr != c * U) ? 1 : 0;
     return (int64_t(c) * 2 + slot) * p.rows + row;
   };
-  auto warp_reduce = [&](float v, bool is_max) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float w = __shfl_xor_sync(0xffffffff, v, o);
-      v = is_max ? fmax_nan(v, w) : v + w;
-    }
-    return v;
-  };
   float mx = -INFINITY;
   for (int c = first + lane; c <= last; c += 32) mx = fmax_nan(mx, __ldg(p.part_lse + slot_row(c)));
   mx = warp_reduce(mx, true);
@@ -226,16 +234,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) combine_rows_kernel(const __gr
     for (int c = first; c <= last; ++c) {
       const int64_t pr = slot_row(c);
       const float w = __expf(__ldg(p.part_lse + pr) - mx);
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        float4 v[kVals / 4];
-        load_partials_16B(part_out + pr * kDv + lane * 16 + k * kVals, v);
-#pragma unroll
-        for (int j = 0; j < kVals / 4; ++j) {
-          float4& a = acc[k * kVals / 4 + j];
-          a.x += w * v[j].x; a.y += w * v[j].y; a.z += w * v[j].z; a.w += w * v[j].w;
-        }
-      }
+      add_split(acc, part_out + pr * kDv + lane * 16, kVals, w);
     }
   }
   const float inv = wsum != 0.f ? 1.f / wsum : 0.f;  // 0: no split had a key
