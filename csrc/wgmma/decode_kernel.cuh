@@ -44,8 +44,8 @@ namespace mla_backend::wgmma {
 
 // Dense sources: T = bf16 or fp16 (q's type), requests are batch entries. Sparse sources:
 // T = bf16, requests are query groups (DecodeParams). kPaired: see RegFp8Producer and
-// KeyProducer; launched as 2-CTA clusters along y (row tiles 2i and 2i + 1). kPrefetch (kSparse16): the producer
-// prefetches each fill's rows to L2 before its release wait.
+// KeyProducer; launched as 2-CTA clusters along y (row tiles 2i and 2i + 1). kPrefetch
+// (kSparse16): the producer prefetches each fill's rows to L2 before its release wait.
 template <typename T, KeySource kSrc, bool kPaired, bool kPrefetch>
 __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
                                                                          const __grid_constant__ CUtensorMap kv_map,
