@@ -10,6 +10,7 @@ Run on the GPU machine from the repository root (vLLM's kernels come from /opt/v
                                                          [--mma-min-batch B]
                                                          [--equal-lengths] [--whole-extra N]
                                                          [--align-extra N] [--restart-pad N]
+                                                         [--lpt-extra N]
 
 Kernels (bf16 cache [num_blocks, 64, 576], int32 block table / seq lens, causal, varlen):
   ours            mla_backend.ops.plan_decode + mla_decode
@@ -98,8 +99,10 @@ and FlashInfer's decode benchmarks do); --whole-extra N replaces the library's
 DENSE_WHOLE_REQUEST_EXTRA_UNITS (whole requests per CTA for equal lengths; -1: never), and
 --align-extra N its DENSE_ALIGN_EXTRA_UNITS (aligned plans: every request on CTAs of its own;
 -1: never), --restart-pad N its DENSE_RESTART_PAD_UNITS (padded plans: N units of padding after
-a request that ends inside a CTA; -1: never). Recorded as equal_lengths, whole_extra,
-align_extra and restart_pad.
+a request that ends inside a CTA; -1: never), --lpt-extra N its DENSE_LPT_EXTRA_UNITS (with
+more requests than CTAs, whole requests longest first when the busiest CTA gets at most N units
+above the balanced share; -1: never). Recorded as equal_lengths, whole_extra, align_extra,
+restart_pad and lpt_extra.
 
 Exit status: 0; 1 if ours failed the correctness gate in some row; 2 if the run stopped early.
 """
@@ -402,7 +405,10 @@ PLAN_KNOBS = [
                  "units per CTA above the balanced share; -1: never"),
     ("restart_pad", "--restart-pad", "DENSE_RESTART_PAD_UNITS", "restart padding",
      (-1, 255), "a padded plan where no aligned one fits: N units of padding after each request "
-                "that ends inside a CTA; -1: never")]
+                "that ends inside a CTA; -1: never"),
+    ("lpt_extra", "--lpt-extra", "DENSE_LPT_EXTRA_UNITS", "longest-first margin", (-1, 1024),
+     "with more requests than CTAs, whole requests longest first when the busiest CTA gets at "
+     "most N units, or 1/32 of the balanced share if more, above that share; -1: never")]
 
 
 def results_extra(kernels: list[str], metadata: dict[str, str],
@@ -411,7 +417,8 @@ def results_extra(kernels: list[str], metadata: dict[str, str],
                   mma_min_batch: int | None = None, equal_lengths: bool = False,
                   whole_extra: int | None = None,
                   align_extra: int | None = None,
-                  restart_pad: int | None = None) -> dict[str, object]:
+                  restart_pad: int | None = None,
+                  lpt_extra: int | None = None) -> dict[str, object]:
     """The results file's top-level description of the per-layer figures, and ours' split
     minimum and kernel choice where --min-tokens-per-cta / --mma-max-rows / --mma-min-batch
     replaced the library's."""
@@ -419,7 +426,8 @@ def results_extra(kernels: list[str], metadata: dict[str, str],
             "per_step_metadata": {k: metadata[k] for k in kernels if k in metadata},
             "min_tokens_per_cta": min_tokens_per_cta, "mma_max_rows": mma_max_rows,
             "mma_min_batch": mma_min_batch, "equal_lengths": equal_lengths,
-            "whole_extra": whole_extra, "align_extra": align_extra, "restart_pad": restart_pad}
+            "whole_extra": whole_extra, "align_extra": align_extra, "restart_pad": restart_pad,
+            "lpt_extra": lpt_extra}
 
 
 def report(rows: list[BenchRow], kernels: list[str], copy_bw: float | None, out_path: Path,
@@ -472,7 +480,7 @@ def fp8_decode_block(args: argparse.Namespace, copy_bw: float | None = None) -> 
                                                  args.min_tokens_per_cta, args.mma_max_rows,
                                                  args.mma_min_batch, args.equal_lengths,
                                                  args.whole_extra, args.align_extra,
-                                                 args.restart_pad))
+                                                 args.restart_pad, args.lpt_extra))
 
     ours_bad, status = run_matrix(m, kernels, FP8_BUILDERS, args, copy_bw, rows, save,
                                   fp8=True)
@@ -682,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      args.min_tokens_per_cta,
                                                      args.mma_max_rows, args.mma_min_batch,
                                                      args.equal_lengths, args.whole_extra,
-                                                     args.align_extra, args.restart_pad))
+                                                     args.align_extra, args.restart_pad,
+                                                     args.lpt_extra))
 
         ours_bad, status = run_matrix(m, args.kernels, BUILDERS, args, copy_bw, rows, save)
         save()

@@ -26,6 +26,9 @@ D_V = 512
 PAGE_SIZE = 64
 WHOLE_SHARE_DIVISOR = 32  # whole requests may cost 1/32 of the share (splitkv/planner.cu)
 PAD_MAX_BATCH = 256  # padded plans up to this many requests (splitkv/planner.h kPadMaxBatch)
+LPT_MAX_BATCH = 1024  # longest-first plans up to this many requests (the planner's one block)
+LPT_MAX_UNITS = 1 << 21  # ... and under this many units (a CTA's load and index share 32 bits)
+LPT_MAX_CTAS = 256  # ... on at most this many CTAs (8 a lane of the planner's warp)
 
 
 def _dequantize_rows(rows: torch.Tensor, kv_scale: torch.Tensor | float | None,
@@ -174,9 +177,22 @@ def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, 
     return (weights.unsqueeze(-1) * outs).sum(0), lse
 
 
+def _equal_whole_u(units: list[int], num_ctas: int, min_units: int, whole_extra: int) -> int | None:
+    """The equal-lengths plan's U (whole requests per CTA) where plan_decode_metadata takes it:
+    whole_extra >= 0, every request u > 0 units, and u * max(ceil(B / num_ctas),
+    ceil(min_units / u)) at most max(whole_extra, balanced U // WHOLE_SHARE_DIVISOR) above the
+    balanced U; else None."""
+    if whole_extra < 0 or not units or min(units) != max(units) or units[0] <= 0:
+        return None
+    u, per_cta = units[0], max(-(-sum(units) // num_ctas), min_units)
+    whole = u * max(-(-len(units) // num_ctas), -(-min_units // u))
+    return whole if whole - per_cta <= max(whole_extra, per_cta // WHOLE_SHARE_DIVISOR) else None
+
+
 def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
                          unit_tokens: int = 32, whole_extra: int = -1,
-                         align_extra: int = -1, restart_pad: int = -1) -> torch.Tensor:
+                         align_extra: int = -1, restart_pad: int = -1,
+                         lpt_extra: int = -1) -> torch.Tensor:
     """Twin of the GPU planner: int32 [B + 2] = unit prefix sums P[0..B] (request b owns
     units [P[b], P[b+1]), a unit being unit_tokens keys) and U, the units per CTA. With
     whole_extra >= 0 and every request of the same u > 0 units, U is a whole number of
@@ -188,18 +204,37 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
     Otherwise, with restart_pad >= 0 and 2 <= B <= PAD_MAX_BATCH: padded, for the smallest U of
     per_cta .. per_cta + 31 whose layout fits num_ctas * U units: each request but the last that
     ends inside a CTA's range is followed by restart_pad units of padding, or by the units left
-    to that CTA's end where fewer remain."""
+    to that CTA's end where fewer remain.
+    With lpt_extra >= 0 the result is int32 [2B + 2]: the plan over an order of the requests
+    and, after U, that order (perm[v] = the request at position v; the identity unless chosen
+    here): where B <= 1024, num_ctas <= 256, at least num_ctas requests have units and their
+    total is under 2^21 units, whole requests longest first (whole_requests_longest_first) when their U is at
+    most max(lpt_extra, balanced U // WHOLE_SHARE_DIVISOR) above the balanced U and no
+    equal-lengths whole plan was taken; otherwise the plan above in the requests' own order."""
+    if lpt_extra >= 0:
+        plain = plan_decode_metadata(seq_lens, num_ctas, min_units, unit_tokens, whole_extra,
+                                     align_extra, restart_pad)
+        batch = seq_lens.shape[0]
+        units = [int(x) for x in ((seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1)
+                                  // unit_tokens).tolist()]
+        per_cta = max(-(-sum(units) // num_ctas), min_units)
+        if (_equal_whole_u(units, num_ctas, min_units, whole_extra) is None
+                and batch <= LPT_MAX_BATCH and num_ctas <= LPT_MAX_CTAS
+                and sum(u > 0 for u in units) >= num_ctas
+                and sum(units) < LPT_MAX_UNITS):
+            u_cta, perm, prefix = whole_requests_longest_first(units, num_ctas)
+            if u_cta - per_cta <= max(lpt_extra, per_cta // WHOLE_SHARE_DIVISOR):
+                return torch.tensor(prefix + [u_cta] + perm, dtype=torch.int32)
+        return torch.cat([plain, torch.arange(batch, dtype=torch.int32)])
     units = (seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1) // unit_tokens
     prefix = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64)
     prefix[1:] = torch.cumsum(units.cpu(), 0)
     total = int(prefix[-1])
     per_cta = max(-(-total // num_ctas), min_units)
     batch = units.shape[0]
-    if whole_extra >= 0 and batch > 0 and int(units.min()) == int(units.max()) > 0:
-        u = int(units.max())
-        whole = u * max(-(-batch // num_ctas), -(-min_units // u))
-        if whole - per_cta <= max(whole_extra, per_cta // WHOLE_SHARE_DIVISOR):
-            return torch.cat([prefix, torch.tensor([whole])]).to(torch.int32)
+    whole = _equal_whole_u([int(x) for x in units.tolist()], num_ctas, min_units, whole_extra)
+    if whole is not None:
+        return torch.cat([prefix, torch.tensor([whole])]).to(torch.int32)
     if align_extra >= 0 and 2 <= batch <= min(num_ctas, 1024):
         for u_cta in range(per_cta, per_cta + align_extra + 1):
             ctas = (units.cpu() + u_cta - 1) // u_cta
@@ -219,6 +254,37 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
             if pos <= num_ctas * u_cta:
                 return torch.tensor(starts + [u_cta], dtype=torch.int32)
     return torch.cat([prefix, torch.tensor([per_cta])]).to(torch.int32)
+
+
+def whole_requests_longest_first(units: list[int], num_ctas: int) -> tuple[int, list[int], list[int]]:
+    """Whole requests (none split) on num_ctas CTAs, longest first, each to the CTA with the
+    fewest units so far (ties: the lowest CTA); requests of no units last. Returns U (the most
+    units of one CTA), the order (perm[v] = the request at position v) and the prefix P over
+    that order: CTA c's requests start at c * U, one after another, and the last of them is
+    padded to (c + 1) * U; the requests of no units sit at the end (P = the last CTA's end)."""
+    batch = len(units)
+    order = sorted((b for b in range(batch) if units[b] > 0), key=lambda b: (-units[b], b))
+    load = [0] * num_ctas
+    members: list[list[int]] = [[] for _ in range(num_ctas)]
+    for b in order:
+        c = min(range(num_ctas), key=lambda i: (load[i], i))
+        load[c] += units[b]
+        members[c].append(b)
+    per_cta = max(load) if order else 0
+    perm, prefix = [], [0]
+    used = [c for c in range(num_ctas) if members[c]]
+    for c in used:
+        pos = c * per_cta
+        for i, b in enumerate(members[c]):
+            perm.append(b)
+            pos += units[b]
+            prefix.append((c + 1) * per_cta if i == len(members[c]) - 1 else pos)
+    end = prefix[-1]
+    for b in range(batch):
+        if units[b] <= 0:
+            perm.append(b)
+            prefix.append(end)
+    return per_cta, perm, prefix
 
 
 def decode_schedule(metadata: torch.Tensor, num_ctas: int,

@@ -23,12 +23,19 @@ using splitkv::kUnitMma;
 using splitkv::kUnitWgmma;
 
 void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int64_t min_units,
-                 int64_t unit_tokens, int64_t whole_extra, int64_t align_extra, int64_t restart_pad) {
+                 int64_t unit_tokens, int64_t whole_extra, int64_t align_extra, int64_t restart_pad,
+                 int64_t lpt_extra) {
   STD_TORCH_CHECK(seq_lens.is_cuda() && seq_lens.scalar_type() == ScalarType::Int && seq_lens.is_contiguous(),
                   "plan_decode: seq_lens must be contiguous int32 on CUDA");
+  // lpt_extra >= 0: the plan and an order of the requests (splitkv/planner.h), wgmma plans only
+  STD_TORCH_CHECK(lpt_extra == -1 || (unit_tokens == kUnitWgmma && lpt_extra >= 0 && lpt_extra <= 1024),
+                  "plan_decode: lpt_extra must be -1, or in [0, 1024] with unit_tokens ", kUnitWgmma, ", got ",
+                  lpt_extra, " with unit_tokens ", unit_tokens);
+  const int64_t meta_len = (lpt_extra >= 0 ? 2 * seq_lens.numel() : seq_lens.numel()) + 2;
   STD_TORCH_CHECK(metadata.is_cuda() && metadata.scalar_type() == ScalarType::Int &&
-                      metadata.numel() == seq_lens.numel() + 2,
-                  "plan_decode: metadata must be int32 [batch + 2]");
+                      metadata.is_contiguous() && metadata.numel() == meta_len,
+                  "plan_decode: metadata must be contiguous int32 [", lpt_extra >= 0 ? "2 * batch + 2" : "batch + 2",
+                  "]");
   STD_TORCH_CHECK(num_ctas >= 1 && min_units >= 1, "plan_decode: num_ctas and min_units must be >= 1");
   STD_TORCH_CHECK(whole_extra >= -1 && whole_extra <= INT_MAX, "plan_decode: whole_extra must be >= -1, got ",
                   whole_extra);
@@ -44,7 +51,8 @@ void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int
   const DeviceGuard guard(seq_lens.get_device_index());
   splitkv::launch_planner(seq_lens.const_data_ptr<int>(), int(seq_lens.numel()), 1, INT_MAX,
                           metadata.mutable_data_ptr<int>(), int(num_ctas), int(min_units), int(unit_tokens),
-                          int(whole_extra), int(align_extra), int(restart_pad), current_stream(seq_lens));
+                          int(whole_extra), int(align_extra), int(restart_pad), int(lpt_extra),
+                          current_stream(seq_lens));
 }
 
 int64_t dense_partial_bytes() { return splitkv::kDense16BitPartials ? 2 : 4; }
@@ -72,7 +80,11 @@ void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor
                   "mla_decode: kv_scale must be a 1-element float32 CUDA tensor");
   STD_TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "mla_decode: out/lse must be contiguous");
   const int64_t batch = q.size(0), rows = q.size(1) * q.size(2);
-  STD_TORCH_CHECK(metadata.numel() == batch + 2 && partial_out.size(0) == 2 * num_ctas &&
+  // metadata: the plan, or the plan and an order of the requests (2 * batch + 2: wgmma plans)
+  const bool ordered = metadata.numel() == 2 * batch + 2 && batch > 0;
+  STD_TORCH_CHECK(!ordered || rows_per_cta == 64, "mla_decode: a plan with an order of the requests is for the "
+                  "64-row kernel; rows_per_cta is ", rows_per_cta);
+  STD_TORCH_CHECK((metadata.numel() == batch + 2 || ordered) && partial_out.size(0) == 2 * num_ctas &&
                       partial_out.size(1) == rows && partial_lse.size(0) == 2 * num_ctas,
                   "mla_decode: plan buffers do not match q");
   // the partial O rows as this build's kernels write them (splitkv::DensePartial)
@@ -96,6 +108,7 @@ void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor
   p.bt_stride = block_table.stride(0);
   p.max_blocks = int(block_table.size(1));
   p.seq_lens = seq_lens.const_data_ptr<int>();
+  if (ordered) p.order = metadata.const_data_ptr<int>() + batch + 2;
   p.batch = int(batch); p.s_q = int(q.size(1)); p.heads = int(q.size(2)); p.rows = int(rows);
   p.kv_scale_ptr = kv_scale.has_value() ? kv_scale->const_data_ptr<float>() : nullptr;
   p.kv_scale_value = float(kv_scale_value);

@@ -75,11 +75,12 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __gri
   const int U = plan_units_per_cta<true>(p);
   const int r = blockIdx.y;
   const int Pr = P_at(r), Pr1 = P_at(r + 1);
-  T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv;
+  const int64_t orow = int64_t(request_entry(p, r)) * p.rows + row;  // dense: the batch entry's row
+  T* out = static_cast<T*>(p.out) + orow * kDv;
   if (Pr == Pr1) {  // zero-length request (or no unit): out = 0, lse = -inf
     if (kCombineThreads == kDv / 4 || tid < kDv / 4)  // 4 columns a thread
       *reinterpret_cast<uint2*>(out + tid * 4) = make_uint2(pack2<T>(0.f, 0.f), pack2<T>(0.f, 0.f));
-    if (tid == 0) p.lse[int64_t(r) * p.rows + row] = -INFINITY;
+    if (tid == 0) p.lse[orow] = -INFINITY;
     return;
   }
   const int first = Pr / U, last = (Pr1 - 1) / U;
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __gri
                      pack2<T>(b.x * inv, b.y * inv), pack2<T>(b.z * inv, b.w * inv));
     }
   }
-  if (lane == 0) p.lse[int64_t(r) * p.rows + row] = wsum != 0.f ? mx + __logf(wsum) : -INFINITY;
+  if (lane == 0) p.lse[orow] = wsum != 0.f ? mx + __logf(wsum) : -INFINITY;
 }
 
 // combine_rows_kernel: the same merge with one warp per (row, request), kRowWarps rows a block,
@@ -179,10 +180,11 @@ __global__ void __launch_bounds__(32 * kRowWarps) combine_rows_kernel(const __gr
   const int U = plan_units_per_cta<true>(p);
   // the 16 columns [16 lane, 16 lane + 16) of out row `row` of request r: 0, and lse -inf
   auto zero_row = [&](int r, int rw) {
-    uint4* o = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(r) * p.rows + rw) * kDv + lane * 16);
+    const int64_t orow = int64_t(request_entry(p, r)) * p.rows + rw;
+    uint4* o = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + orow * kDv + lane * 16);
 #pragma unroll
     for (int k = 0; k < 16 * int(sizeof(T)) / 16; ++k) o[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (lane == 0) p.lse[int64_t(r) * p.rows + rw] = -INFINITY;
+    if (lane == 0) p.lse[orow] = -INFINITY;
   };
   int r = blockIdx.y;
   if (by_cta) {
@@ -190,10 +192,11 @@ __global__ void __launch_bounds__(32 * kRowWarps) combine_rows_kernel(const __gr
       const int rz = (int(blockIdx.y) - p.num_ctas) * 32 * kRowWarps + tid;
       if (rz < p.batch && P_at(rz) == P_at(rz + 1)) {
         for (int rw = row0; rw < min(row0 + kRowWarps, p.rows); ++rw) {
-          uint4* o = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t(rz) * p.rows + rw) * kDv);
+          const int64_t orow = int64_t(request_entry(p, rz)) * p.rows + rw;
+          uint4* o = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + orow * kDv);
 #pragma unroll 8
           for (int k = 0; k < kDv * int(sizeof(T)) / 16; ++k) o[k] = make_uint4(0u, 0u, 0u, 0u);
-          p.lse[int64_t(rz) * p.rows + rw] = -INFINITY;
+          p.lse[orow] = -INFINITY;
         }
       }
       return;
@@ -238,7 +241,8 @@ __global__ void __launch_bounds__(32 * kRowWarps) combine_rows_kernel(const __gr
     }
   }
   const float inv = wsum != 0.f ? 1.f / wsum : 0.f;  // 0: no split had a key
-  T* out = static_cast<T*>(p.out) + (int64_t(r) * p.rows + row) * kDv + lane * 16;
+  const int64_t orow = int64_t(request_entry(p, r)) * p.rows + row;  // dense: the batch entry's row
+  T* out = static_cast<T*>(p.out) + orow * kDv + lane * 16;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {  // 8 columns a 16-byte store
     const float4 &a = acc[2 * k], &b = acc[2 * k + 1];
@@ -246,7 +250,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) combine_rows_kernel(const __gr
         make_uint4(pack2<T>(a.x * inv, a.y * inv), pack2<T>(a.z * inv, a.w * inv),
                    pack2<T>(b.x * inv, b.y * inv), pack2<T>(b.z * inv, b.w * inv));
   }
-  if (lane == 0) p.lse[int64_t(r) * p.rows + row] = wsum != 0.f ? mx + __logf(wsum) : -INFINITY;
+  if (lane == 0) p.lse[orow] = wsum != 0.f ? mx + __logf(wsum) : -INFINITY;
 }
 
 }  // namespace

@@ -73,6 +73,9 @@ struct DecodeParams {
   // units per CTA
   int uniform_units = 0;
   int units_per_cta = 0;
+  // Dense wgmma plans with an order of the requests (a longest-first plan; splitkv/planner.h):
+  // request r of the plan is batch entry order[r]; nullptr: r itself (request_entry)
+  const int* order = nullptr;
 };
 
 }  // namespace mla_backend::splitkv

@@ -14,18 +14,104 @@ namespace {
 
 constexpr int kWholeShareDivisor = 32;  // whole requests may also cost 1/32 of the balanced share
 
+// The longest-first plan of planner.h (lpt_extra), by the planner's 1024 threads: the requests
+// sorted by units (descending, ties in request order), one warp assigning them in turn to the
+// CTA with the fewest units (each lane holds the loads of CTAs lane, lane + 32, ...; a warp
+// minimum over load * 256 + CTA picks the least loaded, lowest first), then every thread
+// writes its request's start and position. Whether it was taken; on false meta is untouched.
+// may: the caller's conditions (no equal-lengths plan, enough requests with units, few units).
+__device__ bool longest_first(int* __restrict__ meta, int batch, int num_ctas, int per_cta, bool may, int lpt_extra,
+                              const int* s_units) {
+  if (!may || batch > kLptMaxBatch || num_ctas > kLptMaxCtas) return false;  // block-uniform
+  __shared__ int s_req[kLptMaxBatch], s_cta[kLptMaxBatch], s_off[kLptMaxBatch], s_rank[kLptMaxBatch];
+  __shared__ int s_first[kLptMaxCtas];  // the position of CTA c's first request
+  __shared__ int s_u, s_taken;
+  constexpr int kPerLane = kLptMaxCtas / 32;
+  const int t = threadIdx.x;
+  // the sort by counting: request t's place is the number of requests before it, those with
+  // more units or as many and a lower index (batch steps a thread; a radix sort's 37 KB of
+  // shared memory would not fit beside the other plans')
+  if (t < batch) {
+    const int ut = s_units[t];
+    int place = 0;
+    for (int j = 0; j < batch; ++j) {
+      const int uj = s_units[j];
+      place += (uj > ut || (uj == ut && j < t)) ? 1 : 0;
+    }
+    s_req[place] = t;
+  }
+  __syncthreads();
+  const int n = t < batch ? s_units[s_req[t]] : 0;  // the units of the request in place t
+  if (t < 32) {
+    int load[kPerLane] = {}, count[kPerLane] = {};
+    for (int i = 0; i < batch; ++i) {
+      const int u = s_units[s_req[i]];
+      if (u <= 0) break;  // the rest have no units
+      unsigned best = 0xffffffffu;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int c = t + 32 * k;
+        if (c < num_ctas) best = min(best, (unsigned(load[k]) << 8) | unsigned(c));
+      }
+      const int c = int(__reduce_min_sync(0xffffffffu, best) & 0xffu);
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        if (t + 32 * k == c) {
+          s_cta[i] = c; s_off[i] = load[k]; s_rank[i] = count[k];
+          load[k] += u; ++count[k];
+        }
+      }
+    }
+    int most = 0;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) most = max(most, load[k]);
+    most = int(__reduce_max_sync(0xffffffffu, unsigned(most)));
+    // positions: CTA c's requests from the sum of the counts of CTAs before it
+    int sum = 0;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      int incl = count[k];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (t >= o) incl += x;
+      }
+      if (t + 32 * k < num_ctas) s_first[t + 32 * k] = sum + incl - count[k];
+      sum += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (t == 0) {
+      s_u = most;
+      s_taken = most - per_cta <= max(lpt_extra, per_cta / kWholeShareDivisor);
+    }
+  }
+  __syncthreads();
+  if (!s_taken) return false;
+  const int U = s_u;
+  if (t < batch) {
+    const int v = n > 0 ? s_first[s_cta[t]] + s_rank[t] : t;  // no units: after those with units
+    meta[v] = n > 0 ? s_cta[t] * U + s_off[t] : num_ctas * U;
+    meta[batch + 2 + v] = s_req[t];
+  }
+  if (t == 0) {
+    meta[batch] = num_ctas * U;
+    meta[batch + 1] = U;
+  }
+  return true;
+}
+
 __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict__ lens, int batch, int repeat,
                                                           int max_len, int* __restrict__ meta, int num_ctas,
                                                           int min_units, int unit, int whole_extra,
-                                                          int align_extra, int restart_pad) {
+                                                          int align_extra, int restart_pad, int lpt_extra) {
   using Scan = cub::BlockScan<int, 1024>;
   __shared__ typename Scan::TempStorage tmp;
   cudaTriggerProgrammaticLaunchCompletion();
   cudaGridDependencySynchronize();  // the lengths may come from the previous kernel
-  __shared__ int carry, fewest, most;  // units so far; the fewest and most units of a request
+  __shared__ int carry, fewest, most, with_units;  // units so far; the fewest and most units of a request;
+                                                   // requests with units
   __shared__ int s_per_cta, s_whole;
   __shared__ int s_units[1024];  // each request's units, when batch <= 1024 (aligned plans)
-  if (threadIdx.x == 0) { carry = 0; fewest = INT_MAX; most = 0; meta[0] = 0; }
+  if (threadIdx.x == 0) { carry = 0; fewest = INT_MAX; most = 0; with_units = 0; meta[0] = 0; }
   __syncthreads();
   auto units_of = [&](int b) {
     const int len = b >= batch ? 0 : lens != nullptr ? min(max(lens[b / repeat], 0), max_len) : max_len;
@@ -40,6 +126,7 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
       meta[b + 1] = carry + incl;
       atomicMin(&fewest, units);
       atomicMax(&most, units);
+      if (units > 0) atomicAdd(&with_units, 1);
     }
     __syncthreads();
     if (threadIdx.x == 0) carry += agg;
@@ -58,6 +145,12 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
     meta[batch + 1] = per_cta;
   }
   __syncthreads();
+  if (lpt_extra >= 0) {  // the order after P and U: longest first (then done), or the identity
+    if (longest_first(meta, batch, num_ctas, s_per_cta, s_whole == 0 && with_units >= num_ctas && carry < kLptMaxUnits,
+                      lpt_extra, s_units))
+      return;
+    for (int b = threadIdx.x; b < batch; b += 1024) meta[batch + 2 + b] = b;
+  }
   // One warp picks an aligned plan, else a padded one, from shared memory (no block-wide
   // barrier per candidate); without either the packed plan above stands.
   if (s_whole || batch < 2 || threadIdx.x >= 32) return;
@@ -155,9 +248,10 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
 }  // namespace
 
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
-                    int unit, int whole_extra, int align_extra, int restart_pad, cudaStream_t stream) {
+                    int unit, int whole_extra, int align_extra, int restart_pad, int lpt_extra,
+                    cudaStream_t stream) {
   launch_pdl(plan_decode_kernel, dim3(1), dim3(1024), 0, stream, lens, batch, repeat, max_len, meta, num_ctas,
-             min_units, unit, whole_extra, align_extra, restart_pad);
+             min_units, unit, whole_extra, align_extra, restart_pad, lpt_extra);
 }
 
 }  // namespace mla_backend::splitkv

@@ -31,8 +31,20 @@ namespace mla_backend::splitkv {
 // smallest of per_cta .. per_cta + 31 whose layout fits num_ctas * U units (none: the packed
 // plan). The padding stays inside the CTA of the request's last unit, so the schedule, the
 // kernels' piece clamp and the merge read it as an aligned plan's. -1: never.
+// lpt_extra >= 0 (dense wgmma plans): meta holds 2 * batch + 2 ints, the plan over an order of
+// the requests and, at meta[batch + 2 + v], the request at position v of that order (the
+// identity unless a longest-first plan is taken). Where batch <= kLptMaxBatch, num_ctas <=
+// kLptMaxCtas, at least num_ctas requests have units and all units are under kLptMaxUnits, and
+// no whole-request plan of equal lengths was taken: whole requests longest first, each to the
+// CTA with the fewest units so far (ties: the lowest CTA). CTA c's requests then start at c * U,
+// one after another, its last padded to (c + 1) * U; U is the most units of one CTA. Taken when
+// that U is at most max(lpt_extra, balanced U / 32) above the balanced U: no request is split,
+// so nothing to merge. Requests with no units come last (P = num_ctas * U). -1: meta has
+// batch + 2 ints and the plans above.
 constexpr int kPadMaxBatch = 256;
+constexpr int kLptMaxBatch = 1024, kLptMaxCtas = 256, kLptMaxUnits = 1 << 21;
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
-                    int unit, int whole_extra, int align_extra, int restart_pad, cudaStream_t stream);
+                    int unit, int whole_extra, int align_extra, int restart_pad, int lpt_extra,
+                    cudaStream_t stream);
 
 }  // namespace mla_backend::splitkv

@@ -67,6 +67,12 @@ __device__ __forceinline__ void for_each_piece(const DecodeParams& p, int u_begi
   }
 }
 
+// The batch entry of dense request r of the plan (its seq_len, block table row, query and
+// output): p.order[r] for a plan with an order of the requests (splitkv/planner.h), else r
+__device__ __forceinline__ int request_entry(const DecodeParams& p, int r) {
+  return p.order != nullptr ? __ldg(p.order + r) : r;
+}
+
 // The end (in units from P[r], exclusive) of a dense piece of request r whose plan range ends at
 // plan_end: clamped to the request's own units, ceil(len / unit) for its key count len. An
 // aligned plan (planner.h) pads a request's units up to a multiple of U; the padding, in the

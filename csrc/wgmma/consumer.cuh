@@ -231,18 +231,19 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   for (int u = u_begin; u < u_end;) {
     while (u >= P_at(r + 1)) ++r;
     const int Pr = P_at(r);
-    const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + r);
+    const int rb = kSparse ? r : splitkv::request_entry(p, r);  // dense: its batch entry
+    const int seq_len = kSparse ? 0 : __ldg(p.seq_lens + rb);
     // page indices; plan_end: where the plan's range of r in this CTA ends (dense: pg_end without
     // an aligned plan's padding)
     const int pg_begin = u - Pr, plan_end = min(u_end, P_at(r + 1)) - Pr;
     const int pg_end = kSparse ? plan_end : splitkv::dense_piece_end(plan_end, seq_len, kKeys);
-    if (q_tma && tid == 0 && u == u_begin) load_q_dense(r);  // later pieces': the epilogue's
+    if (q_tma && tid == 0 && u == u_begin) load_q_dense(rb);  // later pieces': the epilogue's
     // dense prologue: first pages of the piece (both buffers are free: the previous piece
     // ended with a CTA barrier after every wgmma retired)
     if (!kProduced && wg_leader) {
       const int pg = pg_begin + wg;
       if (pg < pg_end) {
-        const int blk = block_of(r, pg);
+        const int blk = block_of(rb, pg);
         load_half(wg, 0, blk);
         load_half(wg, 1, blk);
       }
@@ -272,7 +273,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
         if (row < p.rows) {
           const int qi = row / p.heads, h = row % p.heads;
           // dense: request r = batch entry; sparse: group r = (b, s), qi = 0
-          src += int64_t(r / p.group_s_q) * sb + int64_t(r % p.group_s_q + qi) * ss + int64_t(h) * sh + c * 8;
+          src += int64_t(rb / p.group_s_q) * sb + int64_t(rb % p.group_s_q + qi) * ss + int64_t(h) * sh + c * 8;
         }
         cp_async_16(base + sw128_offset(m, col0 + c * 8), src, row < p.rows ? 16 : 0);
       }
@@ -409,8 +410,8 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       // block ids of the next pair, read now so the load latency hides behind this pair
       int blk_a2 = 0, blk_b2 = 0;
       if (!kProduced && wg_leader) {
-        if (pa_ + 2 < pg_end) blk_a2 = block_of(r, pa_ + 2);
-        if (pb + 2 < pg_end) blk_b2 = block_of(r, pb + 2);
+        if (pa_ + 2 < pg_end) blk_a2 = block_of(rb, pa_ + 2);
+        if (pb + 2 < pg_end) blk_b2 = block_of(rb, pb + 2);
       }
       if (wg == 0) {
         // ---- softmax of page pa_ on top of the running max
@@ -547,7 +548,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     if (q_tma && tid == 0 && Pr + plan_end < u_end) {
       int rn = r + 1;  // the next piece's request: the first after r with units
       while (Pr + plan_end >= P_at(rn + 1)) ++rn;
-      load_q_dense(rn);
+      load_q_dense(splitkv::request_entry(p, rn));
     }
     if (kSparse && !split) {
       // a whole request: O (bf16) through sQ (free: this piece's S are done) into rows of 1024
@@ -599,7 +600,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       store_rows_staged(o, inv_l, smem, base, stage, wg, wtid, lane, static_cast<T*>(p.part_out) + prow0 * kDv,
                         p.rows - row0, consumers_sync);
     } else if (kDenseStagedOutOf<kSrc> && !split) {  // a whole request's out the same way
-      const int64_t orow0 = int64_t(r) * p.rows + row0;
+      const int64_t orow0 = int64_t(rb) * p.rows + row0;
       store_tile_staged(o, lt, mt, kv_scale, smem, base, stage, wg, wtid, lane, wrow, qd,
                         static_cast<T*>(p.out) + orow0 * kDv, p.lse + orow0, p.rows - row0, consumers_sync);
     } else {  // split partials stored from the accumulator layout (sparse; dense float32 partials)

@@ -204,7 +204,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         while (u >= P_at(r + 1)) ++r;
         const int Pr = P_at(r);
         const int* list = kSparse ? splitkv::sparse_group_indices(p, r) : nullptr;
-        const int len = kSparse ? splitkv::sparse_group_len(p, r) : __ldg(p.seq_lens + r);
+        const int rb = kSparse ? r : splitkv::request_entry(p, r);  // dense: its batch entry
+        const int len = kSparse ? splitkv::sparse_group_len(p, r) : __ldg(p.seq_lens + rb);
         // as the consumers count them: plan_end without an aligned plan's padding (dense)
         const int pg_begin = u - Pr, plan_end = min(u_end, P_at(r + 1)) - Pr;
         const int pg_end = kSparse ? plan_end : splitkv::dense_piece_end(plan_end, len, kKeys);
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
             const int pos = pg * kKeys + prod.tk;
             return pos < len ? __ldg(list + pos) : -1;
           } else {  // dense: token pg * 64 + tk of the request, on its page's block
-            return pg < p.max_blocks && pg * kKeys + prod.tk < len ? block_of(r, pg) : -1;
+            return pg < p.max_blocks && pg * kKeys + prod.tk < len ? block_of(rb, pg) : -1;
           }
         };
         auto slot_from = [&](int entry) {

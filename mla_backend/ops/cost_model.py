@@ -59,6 +59,15 @@ DENSE_ALIGN_EXTRA_UNITS = 1
 # Read at each plan (bench/dense_decode.py --restart-pad).
 DENSE_RESTART_PAD_UNITS = 4
 
+# Dense decode on the wgmma kernel with more requests than CTAs: whole requests longest first
+# (each to the CTA with the fewest units so far; no request split, so no merge) when that puts
+# at most this many units, or 1/32 of the balanced share if more, above the balanced share on
+# the busiest CTA; -1: never. Not yet measured on a GPU: 4 is the simulation's estimate of what a
+# split costs at batch 128, 1k (docs/notes/2026-11-27-whole-request-lpt-plan.md). Read when a
+# workspace makes a plan of a batch size (-1 then leaves that plan without an order) and at
+# each plan (bench/dense_decode.py --lpt-extra).
+DENSE_LPT_EXTRA_UNITS = 4
+
 # Measured on the H100 for sparse decode: splitting a request over CTAs (a partial write per
 # CTA, the merge kernel's launch and read) costs about 4 units of one CTA's time on a bf16
 # cache at H >= 64, and 3 on an fp8_ds_mla cache below 64 heads.

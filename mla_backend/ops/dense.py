@@ -42,6 +42,11 @@ class DecodePlan:
     work units [P[b], P[b+1]), a unit = unit_tokens keys) and, at [batch + 1], the units
     per CTA. CTA c of a grid of num_ctas processes units [c * U, (c + 1) * U): the schedule
     is a closed form of P and U, so the planner is one small kernel with no host sync.
+    Plans of the wgmma kernel with more requests than CTAs (_ordered) hold [2 * batch + 2]:
+    P and U over an order of the requests, then that order (position v is request
+    metadata[batch + 2 + v]), which the planner makes longest first where whole requests
+    (none split) cost few units more than the balanced share (cost_model.DENSE_LPT_EXTRA_UNITS),
+    else the identity.
     partial_out / partial_lse hold the results of requests that span CTAs (two slots per
     CTA: its first and its last request) until the combine kernel merges them; partial_out
     is float32, or bfloat16 where the extension writes 16-bit partials (_partial_dtype),
@@ -89,6 +94,14 @@ def _grid(rows: int, num_sms: int, mma: bool) -> tuple[int, int, int]:
     rows_per_cta, unit_tokens, ctas_per_sm = _tile(mma)
     m_tiles = math.ceil(rows / rows_per_cta)
     return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
+
+
+def _ordered(batch: int, unit_tokens: int, num_ctas: int) -> bool:
+    """Whether a plan carries an order of its requests (DecodePlan.metadata): the wgmma kernel
+    (64-key units), more requests than CTAs, at most 1024 of them (the planner's one block),
+    and cost_model.DENSE_LPT_EXTRA_UNITS >= 0."""
+    return (unit_tokens == 64 and num_ctas < batch <= 1024
+            and cost_model.DENSE_LPT_EXTRA_UNITS >= 0)
 
 
 def _align_extra(unit_tokens: int) -> int:
@@ -154,7 +167,8 @@ class DecodeWorkspace:
             plan = DecodePlan(
                 batch=batch, q_tokens_per_req=s_q, num_heads=self.num_heads, kv_fp8=self.kv_fp8,
                 rows_per_cta=rows_per_cta, unit_tokens=unit_tokens, num_ctas=num_ctas,
-                metadata=self.metadata[:batch + 2],
+                metadata=self.metadata[:(2 * batch if _ordered(batch, unit_tokens, num_ctas)
+                                         else batch) + 2],
                 partial_out=self.partial_out[:2 * num_ctas * rows * D_V].view(
                     2 * num_ctas, rows, D_V),
                 partial_lse=self.partial_lse[:2 * num_ctas * rows].view(2 * num_ctas, rows))
@@ -197,7 +211,7 @@ def _workspace(max_batch: int, q_tokens: range | list[int], num_heads: int, kv_f
     return DecodeWorkspace(
         max_batch=max_batch, max_q_tokens_per_req=max(q_tokens), num_heads=num_heads,
         kv_fp8=kv_fp8, num_sms=num_sms,
-        metadata=torch.zeros(max_batch + 2, dtype=torch.int32, device=device),
+        metadata=torch.zeros(2 * max_batch + 2, dtype=torch.int32, device=device),
         partial_out=torch.empty(part_rows * D_V, dtype=part_dtype, device=device),
         partial_lse=torch.empty(part_rows, dtype=torch.float32, device=device), plans={})
 
@@ -207,7 +221,7 @@ def decode_workspace(max_batch: int, max_q_tokens_per_req: int, num_heads: int, 
                      num_sms: int | None = None) -> DecodeWorkspace:
     """Allocate the buffers of every plan with batch <= max_batch, s_q <= max_q_tokens_per_req,
     num_heads heads and this cache dtype (None or 16-bit: the 16-bit kernels;
-    torch.float8_e4m3fn: the fp8 kernel). Size: (max_batch + 2) int32 plus the split
+    torch.float8_e4m3fn: the fp8 kernel). Size: (2 * max_batch + 2) int32 plus the split
     partials, at most about 35 MB (H = 128) on a 132-SM GPU (half with 16-bit partials).
     Needs the CUDA extension (its build decides the partials' dtype)."""
     if not (isinstance(max_batch, int) and max_batch >= 1):
@@ -271,10 +285,12 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
                           "plan_decode").plan_view(batch, num_q_tokens_per_req)
     _extension.require("plan_decode")
     min_units = _min_units(plan.unit_tokens, _min_tokens_per_cta)
+    ordered = plan.metadata.numel() == 2 * batch + 2
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
                                       plan.unit_tokens, cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
                                       _align_extra(plan.unit_tokens),
-                                      _restart_pad(plan.unit_tokens))
+                                      _restart_pad(plan.unit_tokens),
+                                      max(cost_model.DENSE_LPT_EXTRA_UNITS, 0) if ordered else -1)
     return plan
 
 

@@ -250,6 +250,7 @@ def test_equal_lengths_and_whole_extra_are_bench_options_recorded_in_the_results
     ("--whole-extra", "whole_extra", 8, ("-2",)),
     ("--align-extra", "align_extra", -1, ("-2", "1025")),
     ("--restart-pad", "restart_pad", 0, ("-2", "256")),
+    ("--lpt-extra", "lpt_extra", 8, ("-2", "1025")),
 ])
 def test_plan_knob_is_a_bench_option_recorded_in_the_results(option, field, good, bads, tmp_path):
     assert getattr(dd.parse_args([]), field) is None

@@ -276,3 +276,47 @@ def test_decode_workspace_needs_the_extension_and_says_so(monkeypatch, tmp_path)
     with pytest.raises(_extension.ExtensionNotBuiltError,
                        match="mla_backend.ops.decode_workspace needs the CUDA extension"):
         ops.decode_workspace(4, 1, 16, device="cuda", num_sms=132)
+
+
+def test_longest_first_plan_worked_by_hand():
+    """Units [1, 3, 2, 2] on 2 CTAs: 3 -> CTA 0, 2 -> CTA 1, 2 -> CTA 1 (2 < 3), 1 -> CTA 0
+    (3 < 4): U 4, order [1, 0, 2, 3], each CTA's last request padded to its end."""
+    seq = torch.tensor([64, 192, 128, 128], dtype=torch.int32)
+    meta = ref.plan_decode_metadata(seq, 2, 1, 64, lpt_extra=0)
+    assert meta.tolist() == [0, 3, 4, 6, 8, 4, 1, 0, 2, 3]
+
+
+@pytest.mark.parametrize("seed,batch,num_ctas", [(0, 128, 66), (1, 128, 33), (2, 256, 66),
+                                                 (3, 32, 16), (4, 130, 66)])
+def test_longest_first_plan_splits_nothing_and_covers_every_unit_once(seed, batch, num_ctas):
+    gen = torch.Generator().manual_seed(seed)
+    lens = (torch.rand(batch, generator=gen) * 1024 + 512).to(torch.int32)
+    lens[::17] = 0  # requests with no keys sit at the end of the order
+    meta = ref.plan_decode_metadata(lens, num_ctas, 2, 64, restart_pad=4, lpt_extra=8)
+    assert meta.shape == (2 * batch + 2,)
+    prefix, per_cta, perm = meta[:batch + 1].tolist(), int(meta[batch + 1]), meta[batch + 2:].tolist()
+    assert sorted(perm) == list(range(batch)) and perm != list(range(batch))
+    units = [-(-int(lens[b]) // 64) for b in perm]  # in the plan's order
+    assert all(lo <= hi for lo, hi in pairwise(prefix)) and prefix[-1] == num_ctas * per_cta
+    balanced = -(-sum(units) // num_ctas)
+    assert per_cta - balanced <= max(8, balanced // ref.WHOLE_SHARE_DIVISOR)
+    sched = ref.decode_schedule(meta[:batch + 2], num_ctas, units)
+    held = [0] * batch
+    for pieces in sched:
+        assert pieces, "every CTA has a request"
+        for v, lo, hi, slot in pieces:
+            assert slot == -1 and lo == 0 and hi == units[v]  # whole, written directly
+            held[v] += 1
+    assert held == [1 if u > 0 else 0 for u in units]
+
+
+@pytest.mark.parametrize("lens,num_ctas", [
+    ([1000] * 10, 16),          # fewer requests with keys than CTAs
+    ([4096] * 128, 66),         # equal lengths: the whole-request plan
+    ([64] * 60 + [0] * 10, 66),  # too few with keys
+])
+def test_longest_first_plan_falls_back_to_the_plan_in_order(lens, num_ctas):
+    seq = torch.tensor(lens, dtype=torch.int32)
+    meta = ref.plan_decode_metadata(seq, num_ctas, 2, 64, whole_extra=4, restart_pad=4, lpt_extra=4)
+    plain = ref.plan_decode_metadata(seq, num_ctas, 2, 64, whole_extra=4, restart_pad=4)
+    assert meta.tolist() == plain.tolist() + list(range(len(lens)))

@@ -122,23 +122,72 @@ def test_large_batch_and_long_context():
     _check(lens[:16], 2, 128)
 
 
+def _plan_parts(plan) -> tuple[list[int], int, list[int] | None]:
+    """A plan's P[0..B], U and order of the requests (None: a plan without one)."""
+    meta, batch = plan.metadata.cpu().tolist(), plan.batch
+    return meta[:batch + 1], meta[batch + 1], meta[batch + 2:] if len(meta) > batch + 2 else None
+
+
 def _split_and_empty(plan) -> tuple[int, int]:
-    """(requests split across CTAs, empty requests) of a plan (metadata P[0..B], U)."""
-    meta = plan.metadata.cpu().tolist()
-    P, U = meta[:-1], meta[-1]
+    """(requests split across CTAs, empty requests) of a plan."""
+    P, U, _ = _plan_parts(plan)
     split = sum(1 for a, b in pairwise(P) if b > a and a // U != (b - 1) // U)
     return split, sum(1 for a, b in pairwise(P) if a == b)
 
 
 @pytest.mark.parametrize("heads", [16, 128])
-def test_more_requests_than_ctas_split_and_empty(heads):
-    """More requests than CTAs: the combine takes split requests by the CTA they start in."""
+def test_more_requests_than_ctas_split_and_empty(heads, monkeypatch):
+    """More requests than CTAs: the combine takes split requests by the CTA they start in
+    (the plan in the requests' order: a longest-first plan would split none)."""
+    monkeypatch.setattr(ops.cost_model, "DENSE_LPT_EXTRA_UNITS", -1)
     lens = torch.randint(0, 1500, (300,), generator=case_gen("more requests", heads))
     lens[::7] = 0
     plan = _check(lens.tolist(), 1, heads)
     assert 300 > plan.num_ctas + 3  # the by-CTA combine grid is the smaller one
     split, empty = _split_and_empty(plan)
     assert split > 0 and empty > 0
+
+
+# more requests than CTAs, lengths in [0.5, 1.5] x 1k: whole requests longest first, none split,
+# read and written through the plan's order (empty requests at its end)
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("heads,s_q,batch", [(128, 1, 128), (64, 2, 130), (16, 1, 300), (128, 4, 40)])
+def test_longest_first_plan_whole_requests_in_their_order(kv_fp8, heads, s_q, batch):
+    lens = torch.randint(512, 1536, (batch,), generator=case_gen("longest first", heads, s_q, batch))
+    lens[::11] = 0
+    lens = lens.tolist()
+    plan = _check_fp8(lens, s_q, heads) if kv_fp8 else _check(lens, s_q, heads)
+    _, _, order = _plan_parts(plan)
+    if plan.unit_tokens == 64 and batch > plan.num_ctas:
+        assert order is not None and sorted(order) == list(range(batch))
+        assert order != list(range(batch)), "the longest-first plan should be taken here"
+        assert _split_and_empty(plan)[0] == 0
+    else:  # the mma.sync kernel (fp8 from 32 requests, or the few_rows_kernel fixture)
+        assert order is None
+
+
+def test_longest_first_plan_under_cuda_graph_replays_with_new_lengths():
+    """The order is part of the plan on the device: graph replays follow it as lengths change."""
+    heads, batch = 128, 96
+    ws = ops.decode_workspace(batch, 1, heads, device="cuda")
+    q, cache, table, seq = paged_case([1500] * batch, 1, heads, device="cuda",
+                                      seed=case_seed("longest first graph"))
+    out, lse = nan_outputs(q)
+
+    def step():
+        plan = ops.plan_decode(seq, 1, heads, workspace=ws)
+        ops.mla_decode(q, cache, table, seq, plan, SCALE, out=out, lse=lse)
+
+    g, _ = capture_graph(step)
+    gen = case_gen("longest first replays")
+    for _ in range(3):
+        seq.copy_(torch.randint(0, 1501, (batch,), generator=gen, dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        _compare(out, lse, q, cache, table, seq, SCALE, f"longest-first graph lens {seq.tolist()}")
+    _, _, order = _plan_parts(ws.plan_view(batch, 1))
+    assert order is not None and order != list(range(batch))
 
 
 def test_single_long_request_many_splits():
@@ -184,16 +233,21 @@ def test_large_scale_sharp_softmax():
     torch.randint(0, 9000, (128,), generator=torch.Generator().manual_seed(4), dtype=torch.int32),
     torch.randint(0, 9000, (256,), generator=torch.Generator().manual_seed(5), dtype=torch.int32),
     torch.randint(0, 9000, (257,), generator=torch.Generator().manual_seed(6), dtype=torch.int32),
+    torch.randint(512, 1536, (128,), generator=torch.Generator().manual_seed(7), dtype=torch.int32),
+    torch.randint(0, 1536, (1024,), generator=torch.Generator().manual_seed(9), dtype=torch.int32),
 ], ids=["ragged", "equal-64x8k", "equal-128x4k", "equal-1500x1k", "aligned-7", "aligned-32",
-        "padded-128", "padded-256", "packed-257"])
+        "padded-128", "padded-256", "packed-257", "longest-first-128", "longest-first-1024"])
 def test_planner_matches_python_twin(seq):
     for heads in (16, 128):
         plan = ops.plan_decode(seq.cuda(), 1, heads)
         min_units = -(-ops.MIN_TOKENS_PER_CTA // plan.unit_tokens)
+        ordered = plan.metadata.numel() == 2 * seq.shape[0] + 2
+        assert ordered == ops.dense._ordered(seq.shape[0], plan.unit_tokens, plan.num_ctas)
         want = ref.plan_decode_metadata(seq, plan.num_ctas, min_units, plan.unit_tokens,
                                         ops.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
                                         ops.dense._align_extra(plan.unit_tokens),
-                                        ops.dense._restart_pad(plan.unit_tokens))
+                                        ops.dense._restart_pad(plan.unit_tokens),
+                                        ops.cost_model.DENSE_LPT_EXTRA_UNITS if ordered else -1)
         assert torch.equal(plan.metadata.cpu(), want)
 
 
