@@ -23,7 +23,9 @@ constexpr int kWholeShareDivisor = 32;  // whole requests may also cost 1/32 of 
 __device__ bool longest_first(int* __restrict__ meta, int batch, int num_ctas, int per_cta, bool may, int lpt_extra,
                               const int* s_units) {
   if (!may || batch > kLptMaxBatch || num_ctas > kLptMaxCtas) return false;  // block-uniform
-  __shared__ int s_req[kLptMaxBatch], s_cta[kLptMaxBatch], s_off[kLptMaxBatch], s_rank[kLptMaxBatch];
+  // in place order: the request, its units, its CTA, its offset there and its rank among the CTA's
+  __shared__ int s_req[kLptMaxBatch], s_size[kLptMaxBatch], s_cta[kLptMaxBatch], s_off[kLptMaxBatch],
+      s_rank[kLptMaxBatch];
   __shared__ int s_first[kLptMaxCtas];  // the position of CTA c's first request
   __shared__ int s_u, s_taken;
   constexpr int kPerLane = kLptMaxCtas / 32;
@@ -42,10 +44,12 @@ __device__ bool longest_first(int* __restrict__ meta, int batch, int num_ctas, i
   }
   __syncthreads();
   const int n = t < batch ? s_units[s_req[t]] : 0;  // the units of the request in place t
+  s_size[t] = n;  // so the assignment below reads them without a second lookup
+  __syncthreads();
   if (t < 32) {
     int load[kPerLane] = {}, count[kPerLane] = {};
     for (int i = 0; i < batch; ++i) {
-      const int u = s_units[s_req[i]];
+      const int u = s_size[i];
       if (u <= 0) break;  // the rest have no units
       unsigned best = 0xffffffffu;
 #pragma unroll
