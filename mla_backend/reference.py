@@ -257,19 +257,22 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
 
 
 def whole_requests_longest_first(units: list[int], num_ctas: int) -> tuple[int, list[int], list[int]]:
-    """Whole requests (none split) on num_ctas CTAs, longest first, each to the CTA with the
-    fewest units so far (ties: the lowest CTA); requests of no units last. Returns U (the most
-    units of one CTA), the order (perm[v] = the request at position v) and the prefix P over
-    that order: CTA c's requests start at c * U, one after another, and the last of them is
-    padded to (c + 1) * U; the requests of no units sit at the end (P = the last CTA's end)."""
+    """Whole requests (none split) on num_ctas CTAs, longest first, dealt in rounds of
+    num_ctas: in each round the i-th longest of the round's requests goes to the CTA i-th
+    least loaded before the round (loads in units; ties: the lower CTA); requests of no units
+    last. Returns U (the most units of one CTA), the order (perm[v] = the request at position
+    v) and the prefix P over that order: CTA c's requests start at c * U, one after another,
+    and the last of them is padded to (c + 1) * U; the requests of no units sit at the end
+    (P = the last CTA's end)."""
     batch = len(units)
     order = sorted((b for b in range(batch) if units[b] > 0), key=lambda b: (-units[b], b))
     load = [0] * num_ctas
     members: list[list[int]] = [[] for _ in range(num_ctas)]
-    for b in order:
-        c = min(range(num_ctas), key=lambda i: (load[i], i))
-        load[c] += units[b]
-        members[c].append(b)
+    for first in range(0, len(order), num_ctas):
+        ctas = sorted(range(num_ctas), key=lambda i: (load[i], i))
+        for b, c in zip(order[first:first + num_ctas], ctas):
+            load[c] += units[b]
+            members[c].append(b)
     per_cta = max(load) if order else 0
     perm, prefix = [], [0]
     used = [c for c in range(num_ctas) if members[c]]

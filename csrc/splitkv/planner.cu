@@ -1,6 +1,7 @@
 // The planner kernel (see planner.h): one 1024-thread block scans the requests' unit counts.
 #include <climits>
 
+#include <cub/block/block_merge_sort.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/warp/warp_reduce.cuh>
 #include <cub/warp/warp_scan.cuh>
@@ -13,84 +14,94 @@ namespace mla_backend::splitkv {
 namespace {
 
 constexpr int kWholeShareDivisor = 32;  // whole requests may also cost 1/32 of the balanced share
+// Up to this batch the longest-first plan sorts by counting (batch steps a thread), above it by
+// CUB's merge sort (fixed passes over 1024 keys): on the H100 the counting sort was 3-8 us faster
+// at 128-256 requests, the merge sort 3 us faster at 512 and 30 us at 1024.
+constexpr int kLptCountingSortMaxBatch = 384;
 
 // The longest-first plan of planner.h (lpt_extra), by the planner's 1024 threads: the requests
-// sorted by units (descending, ties in request order), one warp assigning them in turn to the
-// CTA with the fewest units (each lane holds the loads of CTAs lane, lane + 32, ...; a warp
-// minimum over load * 256 + CTA picks the least loaded, lowest first), then every thread
-// writes its request's start and position. Whether it was taken; on false meta is untouched.
-// may: the caller's conditions (no equal-lengths plan, enough requests with units, few units).
+// sorted by units (descending, ties in request order), then dealt in rounds of num_ctas, the
+// round's longest to the least loaded CTA (thread c ranks CTA c by load * 256 + c among all;
+// a round is one rank pass, where a request-by-request greedy is a serial chain per request),
+// then every thread writes its request's start and position. Whether it was taken; on false
+// meta is untouched. may: the caller's conditions (no equal-lengths plan, enough requests with
+// units, few units); with_units: the requests with units.
 __device__ bool longest_first(int* __restrict__ meta, int batch, int num_ctas, int per_cta, bool may, int lpt_extra,
-                              const int* s_units) {
+                              int with_units, const int* s_units) {
   if (!may || batch > kLptMaxBatch || num_ctas > kLptMaxCtas) return false;  // block-uniform
   // in place order: the request, its units, its CTA, its offset there and its rank among the CTA's
   __shared__ int s_req[kLptMaxBatch], s_size[kLptMaxBatch], s_cta[kLptMaxBatch], s_off[kLptMaxBatch],
       s_rank[kLptMaxBatch];
+  __shared__ int s_key[kLptMaxCtas];    // CTA c's load * 256 + c
   __shared__ int s_first[kLptMaxCtas];  // the position of CTA c's first request
-  __shared__ int s_u, s_taken;
-  constexpr int kPerLane = kLptMaxCtas / 32;
+  __shared__ int s_count[kLptMaxCtas];  // CTA c's requests
+  __shared__ int s_u;
   const int t = threadIdx.x;
-  // the sort by counting: request t's place is the number of requests before it, those with
-  // more units or as many and a lower index (batch steps a thread; a radix sort's 37 KB of
-  // shared memory would not fit beside the other plans')
-  if (t < batch) {
-    const int ut = s_units[t];
-    int place = 0;
-    for (int j = 0; j < batch; ++j) {
-      const int uj = s_units[j];
-      place += (uj > ut || (uj == ut && j < t)) ? 1 : 0;
+  // the requests by units, descending, ties in request order: key units * 1024 + (1023 - request),
+  // descending, so that thread t learns the request in place t
+  static_assert(kLptMaxBatch == 1024 && kLptMaxUnits <= (1 << 22), "the sort key packs units and 10 bits of request");
+  auto key_of = [&](int b) { return (unsigned(s_units[b]) << 10) | unsigned(kLptMaxBatch - 1 - b); };
+  if (batch <= kLptCountingSortMaxBatch) {  // by counting: place = the keys above one's own
+    if (t < batch) {
+      const unsigned kt = key_of(t);
+      int place = 0;
+      for (int j = 0; j < batch; ++j) place += key_of(j) > kt ? 1 : 0;
+      s_req[place] = t;
     }
-    s_req[place] = t;
+    __syncthreads();
+  } else {  // CUB's block merge sort, one key per thread
+    using Sort = cub::BlockMergeSort<unsigned, 1024, 1>;
+    __shared__ typename Sort::TempStorage sort_tmp;
+    unsigned sort_key[1] = {t < batch ? key_of(t) : 0u};
+    Sort(sort_tmp).Sort(sort_key, [](unsigned a, unsigned b) { return a > b; });
+    if (t < batch) s_req[t] = kLptMaxBatch - 1 - int(sort_key[0] & (kLptMaxBatch - 1));
+    __syncthreads();
+  }
+  const int n = t < batch ? s_units[s_req[t]] : 0;  // the units of the request in place t
+  s_size[t] = n;
+  if (t < num_ctas) s_key[t] = t;
+  if (t == 0) s_u = 0;
+  __syncthreads();
+  int count = 0;  // CTA t's requests so far
+  for (int first = 0; first < with_units; first += num_ctas) {  // one round (block-uniform)
+    int rank = 0, key = 0;
+    if (t < num_ctas) {
+      key = s_key[t];
+#pragma unroll 4
+      for (int j = 0; j < num_ctas; ++j) rank += s_key[j] < key ? 1 : 0;
+    }
+    __syncthreads();  // every rank read before the keys change
+    const int i = first + rank;
+    if (t < num_ctas && i < with_units) {
+      const int load = key >> 8;
+      s_cta[i] = t; s_off[i] = load; s_rank[i] = count++;
+      s_key[t] = key + (s_size[i] << 8);
+    }
+    __syncthreads();
+  }
+  if (t < num_ctas) {
+    s_count[t] = count;
+    atomicMax(&s_u, s_key[t] >> 8);
   }
   __syncthreads();
-  const int n = t < batch ? s_units[s_req[t]] : 0;  // the units of the request in place t
-  s_size[t] = n;  // so the assignment below reads them without a second lookup
-  __syncthreads();
-  if (t < 32) {
-    int load[kPerLane] = {}, count[kPerLane] = {};
-    for (int i = 0; i < batch; ++i) {
-      const int u = s_size[i];
-      if (u <= 0) break;  // the rest have no units
-      unsigned best = 0xffffffffu;
-#pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        const int c = t + 32 * k;
-        if (c < num_ctas) best = min(best, (unsigned(load[k]) << 8) | unsigned(c));
-      }
-      const int c = int(__reduce_min_sync(0xffffffffu, best) & 0xffu);
-#pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        if (t + 32 * k == c) {
-          s_cta[i] = c; s_off[i] = load[k]; s_rank[i] = count[k];
-          load[k] += u; ++count[k];
-        }
-      }
-    }
-    int most = 0;
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) most = max(most, load[k]);
-    most = int(__reduce_max_sync(0xffffffffu, unsigned(most)));
-    // positions: CTA c's requests from the sum of the counts of CTAs before it
+  if (t < 32) {  // positions: CTA c's requests from the sum of the counts of CTAs before it
     int sum = 0;
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      int incl = count[k];
+    for (int c0 = 0; c0 < num_ctas; c0 += 32) {
+      const int c = c0 + t;
+      const int cnt = c < num_ctas ? s_count[c] : 0;
+      int incl = cnt;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
         const int x = __shfl_up_sync(0xffffffffu, incl, o);
         if (t >= o) incl += x;
       }
-      if (t + 32 * k < num_ctas) s_first[t + 32 * k] = sum + incl - count[k];
+      if (c < num_ctas) s_first[c] = sum + incl - cnt;
       sum += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (t == 0) {
-      s_u = most;
-      s_taken = most - per_cta <= max(lpt_extra, per_cta / kWholeShareDivisor);
     }
   }
   __syncthreads();
-  if (!s_taken) return false;
   const int U = s_u;
+  if (U - per_cta > max(lpt_extra, per_cta / kWholeShareDivisor)) return false;  // block-uniform
   if (t < batch) {
     const int v = n > 0 ? s_first[s_cta[t]] + s_rank[t] : t;  // no units: after those with units
     meta[v] = n > 0 ? s_cta[t] * U + s_off[t] : num_ctas * U;
@@ -151,7 +162,7 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
   __syncthreads();
   if (lpt_extra >= 0) {  // the order after P and U: longest first (then done), or the identity
     if (longest_first(meta, batch, num_ctas, s_per_cta, s_whole == 0 && with_units >= num_ctas && carry < kLptMaxUnits,
-                      lpt_extra, s_units))
+                      lpt_extra, with_units, s_units))
       return;
     for (int b = threadIdx.x; b < batch; b += 1024) meta[batch + 2 + b] = b;
   }

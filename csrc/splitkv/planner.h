@@ -35,8 +35,10 @@ namespace mla_backend::splitkv {
 // the requests and, at meta[batch + 2 + v], the request at position v of that order (the
 // identity unless a longest-first plan is taken). Where batch <= kLptMaxBatch, num_ctas <=
 // kLptMaxCtas, at least num_ctas requests have units and all units are under kLptMaxUnits, and
-// no whole-request plan of equal lengths was taken: whole requests longest first, each to the
-// CTA with the fewest units so far (ties: the lowest CTA). CTA c's requests then start at c * U,
+// no whole-request plan of equal lengths was taken: whole requests longest first, dealt in
+// rounds of num_ctas, the round's i-th longest to the CTA i-th least loaded before the round
+// (ties: the lower CTA; the greedy of longest-processing-time-first scheduling, made parallel
+// per round). CTA c's requests then start at c * U,
 // one after another, its last padded to (c + 1) * U; U is the most units of one CTA. Taken when
 // that U is at most max(lpt_extra, balanced U / 32) above the balanced U: no request is split,
 // so nothing to merge. Requests with no units come last (P = num_ctas * U). -1: meta has

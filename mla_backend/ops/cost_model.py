@@ -60,10 +60,11 @@ DENSE_ALIGN_EXTRA_UNITS = 1
 DENSE_RESTART_PAD_UNITS = 4
 
 # Dense decode on the wgmma kernel with more requests than CTAs: whole requests longest first
-# (each to the CTA with the fewest units so far; no request split, so no merge) when that puts
-# at most this many units, or 1/32 of the balanced share if more, above the balanced share on
-# the busiest CTA; -1: never. Not yet measured on a GPU: 4 is the simulation's estimate of what a
-# split costs at batch 128, 1k (docs/notes/2026-11-27-whole-request-lpt-plan.md). Read when a
+# (in rounds, each round's longest to the least loaded CTAs; no request split, so no merge) when
+# that puts at most this many units, or 1/32 of the balanced share if more, above the balanced
+# share on the busiest CTA; -1: never. Measured on the H100 against -1 and 8, ours alone
+# (docs/notes/2026-11-27-whole-request-lpt-plan.md): batch 128-256 at 1k -4 to -12% per layer;
+# 8 took 4-6% off some 4k rows and added 4% to others, within the runs' spread. Read when a
 # workspace makes a plan of a batch size (-1 then leaves that plan without an order) and at
 # each plan (bench/dense_decode.py --lpt-extra).
 DENSE_LPT_EXTRA_UNITS = 4

@@ -279,11 +279,23 @@ def test_decode_workspace_needs_the_extension_and_says_so(monkeypatch, tmp_path)
 
 
 def test_longest_first_plan_worked_by_hand():
-    """Units [1, 3, 2, 2] on 2 CTAs: 3 -> CTA 0, 2 -> CTA 1, 2 -> CTA 1 (2 < 3), 1 -> CTA 0
-    (3 < 4): U 4, order [1, 0, 2, 3], each CTA's last request padded to its end."""
+    """Units [1, 3, 2, 2] on 2 CTAs, in rounds of 2: 3 -> CTA 0, 2 -> CTA 1; then CTA 1 is the
+    less loaded (2 < 3): 2 -> CTA 1, 1 -> CTA 0. U 4, order [1, 0, 2, 3], each CTA's last
+    request padded to its end."""
     seq = torch.tensor([64, 192, 128, 128], dtype=torch.int32)
     meta = ref.plan_decode_metadata(seq, 2, 1, 64, lpt_extra=0)
     assert meta.tolist() == [0, 3, 4, 6, 8, 4, 1, 0, 2, 3]
+
+
+def test_longest_first_plan_deals_a_round_by_the_loads_before_it():
+    """Units [5, 1, 1, 1] on 2 CTAs: 5 -> CTA 0, 1 -> CTA 1; the second round goes by the loads
+    before it (CTA 1 then CTA 0): 1 -> CTA 1, 1 -> CTA 0. U 6 (a one-by-one greedy would put
+    both on CTA 1: U 5); taken at lpt_extra 2, not at 1 (the balanced share is 4)."""
+    seq = torch.tensor([320, 64, 64, 64], dtype=torch.int32)
+    meta = ref.plan_decode_metadata(seq, 2, 1, 64, lpt_extra=2)
+    assert meta.tolist() == [0, 5, 6, 7, 12, 6, 0, 3, 1, 2]
+    refused = ref.plan_decode_metadata(seq, 2, 1, 64, lpt_extra=1)
+    assert refused[6:].tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("seed,batch,num_ctas", [(0, 128, 66), (1, 128, 33), (2, 256, 66),
