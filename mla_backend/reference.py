@@ -208,9 +208,10 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
     With lpt_extra >= 0 the result is int32 [2B + 2]: the plan over an order of the requests
     and, after U, that order (perm[v] = the request at position v; the identity unless chosen
     here): where B <= 1024, num_ctas <= 256, at least num_ctas requests have units and their
-    total is under 2^21 units, whole requests longest first (whole_requests_longest_first) when their U is at
-    most max(lpt_extra, balanced U // WHOLE_SHARE_DIVISOR) above the balanced U and no
-    equal-lengths whole plan was taken; otherwise the plan above in the requests' own order."""
+    total is under 2^21 units, whole requests longest first (whole_requests_longest_first)
+    when their U is at most max(lpt_extra, balanced U // WHOLE_SHARE_DIVISOR) above the
+    balanced U and no equal-lengths whole plan was taken; otherwise the plan above in the
+    requests' own order."""
     if lpt_extra >= 0:
         plain = plan_decode_metadata(seq_lens, num_ctas, min_units, unit_tokens, whole_extra,
                                      align_extra, restart_pad)
@@ -256,7 +257,8 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
     return torch.cat([prefix, torch.tensor([per_cta])]).to(torch.int32)
 
 
-def whole_requests_longest_first(units: list[int], num_ctas: int) -> tuple[int, list[int], list[int]]:
+def whole_requests_longest_first(units: list[int],
+                                 num_ctas: int) -> tuple[int, list[int], list[int]]:
     """Whole requests (none split) on num_ctas CTAs, longest first, dealt in rounds of
     num_ctas: in each round the i-th longest of the round's requests goes to the CTA i-th
     least loaded before the round (loads in units; ties: the lower CTA); requests of no units
@@ -270,7 +272,8 @@ def whole_requests_longest_first(units: list[int], num_ctas: int) -> tuple[int, 
     members: list[list[int]] = [[] for _ in range(num_ctas)]
     for first in range(0, len(order), num_ctas):
         ctas = sorted(range(num_ctas), key=lambda i: (load[i], i))
-        for b, c in zip(order[first:first + num_ctas], ctas):
+        # the last round may have fewer requests than CTAs: the least loaded take them
+        for b, c in zip(order[first:first + num_ctas], ctas, strict=False):
             load[c] += units[b]
             members[c].append(b)
     per_cta = max(load) if order else 0
