@@ -38,11 +38,11 @@ namespace mla_backend::splitkv {
 // no whole-request plan of equal lengths was taken: whole requests longest first, dealt in
 // rounds of num_ctas, the round's i-th longest to the CTA i-th least loaded before the round
 // (ties: the lower CTA; the greedy of longest-processing-time-first scheduling, made parallel
-// per round). CTA c's requests then start at c * U,
-// one after another, its last padded to (c + 1) * U; U is the most units of one CTA. Taken when
-// that U is at most max(lpt_extra, balanced U / 32) above the balanced U: no request is split,
-// so nothing to merge. Requests with no units come last (P = num_ctas * U). -1: meta has
-// batch + 2 ints and the plans above.
+// per round). CTA c's requests then start at c * U, one after another, its last padded to
+// (c + 1) * U; U is the most units of one CTA. Taken when that U is at most
+// max(lpt_extra, balanced U / 32) above the balanced U: no request is split, so nothing to
+// merge. Requests with no units come last (P = num_ctas * U). -1: meta has batch + 2 ints and
+// the plans above.
 constexpr int kPadMaxBatch = 256;
 constexpr int kLptMaxBatch = 1024, kLptMaxCtas = 256, kLptMaxUnits = 1 << 21;
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
