@@ -43,4 +43,19 @@ __device__ __forceinline__ void convert_e4m3x16(uint4 raw, float scale, uint32_t
   }
 }
 
+// 16 e4m3 values -> 16 fp16 values (8 packed pairs), exactly (every e4m3 value is an fp16
+// value): one conversion per pair, no float round trip
+__device__ __forceinline__ void convert_e4m3x16_to_f16(uint4 raw, uint32_t* packed) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw hr =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[j] >> (16 * h)) & 0xFFFF), __NV_E4M3);
+      packed[j * 2 + h] = uint32_t(hr.x) | (uint32_t(hr.y) << 16);
+    }
+  }
+}
+
 }  // namespace mla_backend

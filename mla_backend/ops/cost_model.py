@@ -24,15 +24,17 @@ MIN_TOKENS_PER_CTA = 128
 # row count. Measured on the H100 (2026-11-27; H 8 and 16, s_q 1; bench/results/
 # dense_decode_few_rows-h100-80gb-hbm3-2026-11-27.json): on a 16-bit cache the wgmma kernel was
 # faster on 18 of 24 rows (batch 1, 8, 32, 128; 1k, 4k, 16k keys), by up to 41% (batch 1,
-# 1k), and slower by at most 9% on the other six (five of them H 8); on a per-tensor fp8 cache
-# it was faster or even below 32 requests at 1k keys (up to 24% faster) and at batch 1, but
-# 1 to 10% slower from 2 requests on at 16k, and the mma.sync kernel was faster from 32
-# requests on at 1k and 16k (3 to 12%).
+# 1k), and slower by at most 9% on the other six (five of them H 8). On a per-tensor fp8 cache
+# (the mma.sync kernel with fp16 operands; H 8 s_q 1 and 2, H 16 s_q 1; bench/results/
+# dense_decode_fp8_few_rows_mma-h100-80gb-hbm3-2026-11-27.json, call c9) the plan sees the
+# batch, not the lengths: from 16 requests the mma.sync kernel took 20 to 29% less time at 4k
+# and 16k keys and lost up to 21% at 1k (geometric mean over those rows -10% at batch 16); at
+# 8 requests it lost at 1k and 4k (up to 50%) and gained at 16k (19 to 26%).
 # Read at each plan (bench/dense_decode.py --mma-max-rows, --mma-min-batch); set them before
 # making a workspace: its plans are cached per batch size.
 MMA_MAX_ROWS = 16
 MMA_MIN_BATCH_16BIT: int | None = None
-MMA_MIN_BATCH_FP8: int | None = 32
+MMA_MIN_BATCH_FP8: int | None = 16
 
 # Dense decode of requests that all have the same length: each CTA takes whole requests (none
 # split: no partials, nothing to merge) when that gives a CTA at most this many units (pages

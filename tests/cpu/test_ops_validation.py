@@ -367,8 +367,8 @@ def test_dense_grid_worked_by_hand(rows, sms, mma, want):
 @pytest.mark.parametrize("rows,batch,kv_fp8,want", [
     (16, 1, False, False), (16, 128, False, False),  # 16-bit: the wgmma kernel at every batch
     (1, 4096, False, False),
-    (16, 1, True, False), (16, 31, True, False),     # fp8: wgmma below 32 requests,
-    (16, 32, True, True), (1, 500, True, True),      # mma.sync from 32 on
+    (16, 1, True, False), (16, 15, True, False),     # fp8: wgmma below 16 requests,
+    (16, 16, True, True), (1, 500, True, True),      # mma.sync from 16 on
     (17, 32, True, False), (128, 128, True, False),  # more than 16 rows: always wgmma
 ])
 def test_dense_kernel_rule_worked_by_hand(rows, batch, kv_fp8, want):

@@ -237,8 +237,8 @@ def test_workspace_partials_follow_the_build(partial_width, width, dtype):
 
 @pytest.mark.parametrize("max_batch,kv_fp8,ctas", [
     (64, False, 132),  # 16-bit: the wgmma kernel at every batch, one 64-row tile, 132 CTAs
-    (31, True, 132),   # fp8 below MMA_MIN_BATCH_FP8: wgmma only
-    (32, True, 264),   # fp8 from 32 requests: the mma.sync kernel's two CTAs per SM too
+    (15, True, 132),   # fp8 below MMA_MIN_BATCH_FP8: wgmma only
+    (16, True, 264),   # fp8 from 16 requests: the mma.sync kernel's two CTAs per SM too
 ])
 def test_workspace_partials_sized_for_the_kernels_the_rule_can_take(partial_width, max_batch,
                                                                     kv_fp8, ctas):

@@ -163,7 +163,7 @@ def test_longest_first_plan_whole_requests_in_their_order(kv_fp8, heads, s_q, ba
         assert order is not None and sorted(order) == list(range(batch))
         assert order != list(range(batch)), "the longest-first plan should be taken here"
         assert _split_and_empty(plan)[0] == 0
-    else:  # the mma.sync kernel (fp8 from 32 requests, or the few_rows_kernel fixture)
+    else:  # the mma.sync kernel (fp8 from 16 requests, or the few_rows_kernel fixture)
         assert order is None
 
 
@@ -467,6 +467,29 @@ def test_few_rows_on_each_kernel(few_rows_kernel, heads, s_q, kv_fp8):
 @pytest.mark.parametrize("s_q", range(1, 9))
 def test_fp8_cache_heads_and_query_lengths(heads, s_q):
     _check_fp8([1, 37, 700, 0, 2049], s_q, heads)
+
+
+# The mma.sync kernel multiplies fp16 operands over an fp8 cache: a bf16 query row goes to
+# fp16 scaled by a power of two of its own. Rows up to 1e11 apart and beyond fp16's range
+# either way (1e5 and 3e4 * randn overflow fp16 unscaled, 1e-6 * randn is subnormal there),
+# on each kernel; the cache is ~1e-5, so the large rows' logits are O(1) and their lse is
+# within float32's reach of the 2e-3 tolerance.
+@pytest.mark.parametrize("heads,s_q", [(16, 1), (8, 2), (128, 1)])
+def test_fp8_cache_query_rows_far_apart_in_magnitude(heads, s_q):
+    lens = [700, 37, 2049, 64]
+    key = ("fp8 magnitudes", heads, s_q)
+    q, cache16, table, seq = paged_case(lens, s_q, heads, device="cuda", seed=case_seed(*key))
+    factors = torch.tensor([1e5, 3e4, 1e-6, 1e3], device="cuda")
+    rows = q.shape[0] * s_q * heads
+    q = (q.float() * factors.repeat(rows // 4 + 1)[:rows].view(*q.shape[:3], 1)).to(q.dtype)
+    cache16 = cache16 * 1e-5
+    kv_scale = float(cache16.float().nan_to_num(0).abs().amax() / 448)
+    cache = formats.quantize_fp8_per_tensor(cache16, kv_scale)
+    plan = ops.plan_decode(seq, s_q, heads, kv_cache_dtype=torch.float8_e4m3fn)
+    got, lse = _run(q, cache, table, seq, plan, SCALE, kv_scale=kv_scale)
+    _compare(got, lse, q, cache, table, seq, SCALE,
+             _name(lens, s_q, heads, q.dtype, fp8_scale=kv_scale, rows="1e5/3e4/1e-6/1e3"),
+             kv_scale=kv_scale)
 
 
 @pytest.mark.parametrize("heads", [16, 64])
