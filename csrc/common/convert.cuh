@@ -23,6 +23,14 @@ __device__ __forceinline__ uint32_t pack2<__half>(float x, float y) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// e4m3 pair k (0..7) of a 16-byte chunk (bytes 2k and 2k + 1) as an fp16 pair: exact (every
+// e4m3 value is an fp16 value), one conversion instruction
+__device__ __forceinline__ __half2_raw e4m3_pair_to_f16(const uint4& raw, int k) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  return __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[k / 2] >> (16 * (k % 2))) & 0xFFFF),
+                                    __NV_E4M3);
+}
+
 // 16 e4m3 values (one 16-byte chunk) -> 16 values of T (8 packed pairs), each rounded once
 // from the float32 product value * `scale`, as formats.py dequantizes. (A bit-level
 // conversion with one conversion-pipe instruction per pair instead of two, but 9
@@ -30,31 +38,20 @@ __device__ __forceinline__ uint32_t pack2<__half>(float x, float y) {
 // not by that pipe.)
 template <typename T>
 __device__ __forceinline__ void convert_e4m3x16(uint4 raw, float scale, uint32_t* packed) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __half2_raw hr =
-          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[j] >> (16 * h)) & 0xFFFF), __NV_E4M3);
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
-      packed[j * 2 + h] = pack2<T>(f.x * scale, f.y * scale);
-    }
+  for (int k = 0; k < 8; ++k) {
+    const __half2_raw hr = e4m3_pair_to_f16(raw, k);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+    packed[k] = pack2<T>(f.x * scale, f.y * scale);
   }
 }
 
-// 16 e4m3 values -> 16 fp16 values (8 packed pairs), exactly (every e4m3 value is an fp16
-// value): one conversion per pair, no float round trip
+// 16 e4m3 values -> 16 fp16 values (8 packed pairs), exactly: no float round trip
 __device__ __forceinline__ void convert_e4m3x16_to_f16(uint4 raw, uint32_t* packed) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __half2_raw hr =
-          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[j] >> (16 * h)) & 0xFFFF), __NV_E4M3);
-      packed[j * 2 + h] = uint32_t(hr.x) | (uint32_t(hr.y) << 16);
-    }
+  for (int k = 0; k < 8; ++k) {
+    const __half2_raw hr = e4m3_pair_to_f16(raw, k);
+    packed[k] = uint32_t(hr.x) | (uint32_t(hr.y) << 16);
   }
 }
 
