@@ -160,7 +160,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);             // q's rows as loaded
   const MmaT* sQm = reinterpret_cast<const MmaT*>(smem);  // the same rows as the MMAs read them
-  float* sS = reinterpret_cast<float*>(smem);     // S partials [warp][row][key], in Q's bytes
+  float* sS = reinterpret_cast<float*>(smem);     // S partials [warp][lane][kSLane], in Q's bytes
   unsigned char* sStages = smem + Cfg::kSmemQ;   // kStages units: 16-bit rows, or fp8 bytes
   MmaT* sKfp8 = reinterpret_cast<MmaT*>(sStages + kStages * Cfg::kSmemStage);  // fp8: converted unit
   float* sRowScale = reinterpret_cast<float*>(smem + Cfg::kSmemQ + Cfg::kSmemKV);
@@ -205,7 +205,7 @@ mma_decode_kernel(const __grid_constant__ DecodeParams p) {
   };
   // an fp8 page whose token rows are contiguous: the unit is 18 KiB in one piece, copied
   // chunk i to stage byte 16 i (no per-chunk index math)
-  const bool flat = !Cfg::kConvert ? false : p.kv_stride_tok == kDqk;
+  const bool flat = Cfg::kConvert && p.kv_stride_tok == kDqk;
   auto load_unit = [&](const UnitSrc& n, int stage) {
     unsigned char* dst = sStages + stage * Cfg::kSmemStage;
     // a block id outside the cache (a bad table entry) reads as zero keys, never out of bounds
