@@ -18,6 +18,14 @@ from ._common import D_V
 # and lost at batch 2 and at 4k (+0.2 to +1.5 us; docs/notes/2026-11-27-split-minimum-and-spans.md).
 MIN_TOKENS_PER_CTA = 128
 
+# The same minimum on a per-tensor fp8 cache where the wgmma kernel holds every query row in one
+# row tile (H * s_q <= 64): its CTAs convert each page before the tensor cores read it, so a step
+# of few pages gains from more, shorter CTAs. Measured on the H100 (2026-11-27, H 16 and 64,
+# s_q 1 and 2, batch 1-8, 1k/4k/16k; docs/notes/2026-11-27-fp8-small-steps.md): one page took
+# 0.4-2.1 us (3-14%) off batch 1-4 at 1k and batch 1-2 at 4k and moved the other rows by at most
+# 0.5 us; at two and four row tiles it lost up to 0.9 us (batch 2-4, 1k), so they keep 128.
+MIN_TOKENS_PER_CTA_FP8_ONE_TILE = 64
+
 # Dense decode's kernel for few query rows (s_q * H <= MMA_MAX_ROWS: the head counts of TP 8 and
 # TP 16): the mma.sync kernel (16-row tiles, two CTAs per SM) from MMA_MIN_BATCH_* requests on
 # (None: never), else the wgmma kernel (64-row tiles, one CTA per SM), which runs every larger

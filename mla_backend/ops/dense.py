@@ -96,6 +96,16 @@ def _grid(rows: int, num_sms: int, mma: bool) -> tuple[int, int, int]:
     return rows_per_cta, unit_tokens, max(1, num_sms * ctas_per_sm // m_tiles)
 
 
+def _dense_min_units(unit_tokens: int, rows: int, rows_per_cta: int, kv_fp8: bool,
+                     min_tokens: int | None = None) -> int:
+    """The least work of one CTA of a dense plan, in units: cost_model.MIN_TOKENS_PER_CTA keys,
+    or MIN_TOKENS_PER_CTA_FP8_ONE_TILE on an fp8 cache where the wgmma kernel (64-key units)
+    holds all `rows` query rows in one tile; min_tokens (benchmarks, tests) replaces both."""
+    if min_tokens is None and kv_fp8 and unit_tokens == 64 and rows <= rows_per_cta:
+        min_tokens = cost_model.MIN_TOKENS_PER_CTA_FP8_ONE_TILE
+    return _min_units(unit_tokens, min_tokens)
+
+
 def _ordered(batch: int, unit_tokens: int, num_ctas: int) -> bool:
     """Whether a plan carries an order of its requests (DecodePlan.metadata): the wgmma kernel
     (64-key units), more requests than CTAs, at most 1024 of them (the planner's one block),
@@ -245,8 +255,8 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
     torch.float8_e4m3fn selects the fp8 kernel). Pass `out` (an earlier plan of the same
     B, s_q, H and cache dtype) to refill its buffers in place, or `workspace` (from
     decode_workspace) to plan into caller-owned buffers shared by all batch sizes.
-    _min_tokens_per_cta (benchmarks and tests only) replaces the least work of one CTA,
-    cost_model.MIN_TOKENS_PER_CTA keys, for this plan."""
+    _min_tokens_per_cta (benchmarks and tests only) replaces the least work of one CTA
+    (_dense_min_units) for this plan."""
     if _min_tokens_per_cta is not None and not (isinstance(_min_tokens_per_cta, int)
                                                 and _min_tokens_per_cta >= 1):
         raise ValueError(f"_min_tokens_per_cta must be a positive int; got "
@@ -284,7 +294,8 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
         plan = _workspace(batch, [num_q_tokens_per_req], num_heads, kv_fp8, device, sms,
                           "plan_decode").plan_view(batch, num_q_tokens_per_req)
     _extension.require("plan_decode")
-    min_units = _min_units(plan.unit_tokens, _min_tokens_per_cta)
+    min_units = _dense_min_units(plan.unit_tokens, plan.rows, plan.rows_per_cta, kv_fp8,
+                                 _min_tokens_per_cta)
     ordered = plan.metadata.numel() == 2 * batch + 2
     torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
                                       plan.unit_tokens, cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS,

@@ -207,6 +207,22 @@ def test_min_units_rounds_up_and_reads_the_minimum_at_call_time(monkeypatch):
     assert [cost_model._min_units(u) for u in (32, 64)] == [16, 8]
 
 
+def test_dense_min_units_takes_one_page_only_for_fp8_in_one_wgmma_row_tile(monkeypatch):
+    from mla_backend.ops import cost_model, dense
+
+    # (unit_tokens, rows, rows_per_cta, kv_fp8) -> units: 128 keys, but 64 for fp8 on the
+    # wgmma kernel (64-key units) when every row fits its 64-row tile
+    assert dense._dense_min_units(64, 16, 64, True) == 1    # H 16, s_q 1
+    assert dense._dense_min_units(64, 64, 64, True) == 1    # H 64, s_q 1: a full tile
+    assert dense._dense_min_units(64, 65, 64, True) == 2    # two tiles
+    assert dense._dense_min_units(64, 128, 64, True) == 2   # H 128
+    assert dense._dense_min_units(64, 16, 64, False) == 2   # 16-bit cache
+    assert dense._dense_min_units(32, 16, 16, True) == 4    # the mma.sync kernel's 32-key units
+    assert dense._dense_min_units(64, 16, 64, True, 256) == 4  # an explicit minimum wins
+    monkeypatch.setattr(cost_model, "MIN_TOKENS_PER_CTA_FP8_ONE_TILE", 192)
+    assert dense._dense_min_units(64, 16, 64, True) == 3    # read at each call
+
+
 @pytest.fixture
 def partial_width(monkeypatch):
     """Stand in for the extension's dense_partial_bytes (2 or 4) without loading it."""

@@ -167,7 +167,7 @@ def planner_stand_in(monkeypatch):
         kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
         rows_per_cta, unit_tokens, num_ctas = ops._grid(
             s_q * heads, 132, ops._uses_mma(s_q * heads, seq_lens.shape[0], kv_fp8))
-        min_units = -(-ops.MIN_TOKENS_PER_CTA // unit_tokens)
+        min_units = ops.dense._dense_min_units(unit_tokens, s_q * heads, rows_per_cta, kv_fp8)
         ordered = ops.dense._ordered(seq_lens.shape[0], unit_tokens, num_ctas)
         meta = ref.plan_decode_metadata(seq_lens, num_ctas, min_units, unit_tokens,
                                         ops.cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS,

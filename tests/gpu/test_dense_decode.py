@@ -251,9 +251,11 @@ def test_large_scale_sharp_softmax():
 ], ids=["ragged", "equal-64x8k", "equal-128x4k", "equal-1500x1k", "aligned-7", "aligned-32",
         "padded-128", "padded-256", "packed-257", "longest-first-128", "longest-first-1024"])
 def test_planner_matches_python_twin(seq):
-    for heads in (16, 128):
-        plan = ops.plan_decode(seq.cuda(), 1, heads)
-        min_units = -(-ops.MIN_TOKENS_PER_CTA // plan.unit_tokens)
+    # fp8 at H 16: one row tile of the wgmma kernel below 16 requests (its own minimum work)
+    for heads, kv_dtype in ((16, None), (128, None), (16, torch.float8_e4m3fn)):
+        plan = ops.plan_decode(seq.cuda(), 1, heads, kv_cache_dtype=kv_dtype)
+        min_units = ops.dense._dense_min_units(plan.unit_tokens, plan.rows, plan.rows_per_cta,
+                                               plan.kv_fp8)
         ordered = plan.metadata.numel() == 2 * seq.shape[0] + 2
         assert ordered == ops.dense._ordered(seq.shape[0], plan.unit_tokens, plan.num_ctas)
         want = ref.plan_decode_metadata(seq, plan.num_ctas, min_units, plan.unit_tokens,
@@ -280,6 +282,8 @@ def test_equal_lengths_whole_requests(heads, s_q, lens):
 def test_request_starts_inside_ctas_and_on_them(align, kv_fp8, heads, s_q, monkeypatch):
     monkeypatch.setattr(ops.cost_model, "DENSE_ALIGN_EXTRA_UNITS", align)
     monkeypatch.setattr(ops.cost_model, "DENSE_RESTART_PAD_UNITS", -1)  # packed, not padded
+    # two pages a CTA on every cache (fp8 at one row tile would take one: no start inside a CTA)
+    monkeypatch.setattr(ops.cost_model, "MIN_TOKENS_PER_CTA_FP8_ONE_TILE", 128)
     lens = [1190, 978, 0, 777, 1151, 5, 4000, 63]
     plan = _check_fp8(lens, s_q, heads) if kv_fp8 else _check(lens, s_q, heads)
     meta = plan.metadata.cpu().tolist()
