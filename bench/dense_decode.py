@@ -408,7 +408,10 @@ PLAN_KNOBS = [
                 "that ends inside a CTA; -1: never"),
     ("lpt_extra", "--lpt-extra", "DENSE_LPT_EXTRA_UNITS", "longest-first margin", (-1, 1024),
      "with more requests than CTAs, whole requests longest first when the busiest CTA gets at "
-     "most N units, or 1/32 of the balanced share if more, above that share; -1: never")]
+     "most N units, or 1/32 of the balanced share if more, above that share; -1: never"),
+    ("one_page_max", "--one-page-max", "DENSE_ONE_PAGE_MAX_PAGES", "small-step pages",
+     (-1, None), "on the wgmma kernel with at most 4 row tiles, one page a CTA as the least work "
+                 "when the step has at most N pages in all; -1: never")]
 
 
 def results_extra(kernels: list[str], metadata: dict[str, str],
@@ -418,7 +421,8 @@ def results_extra(kernels: list[str], metadata: dict[str, str],
                   whole_extra: int | None = None,
                   align_extra: int | None = None,
                   restart_pad: int | None = None,
-                  lpt_extra: int | None = None) -> dict[str, object]:
+                  lpt_extra: int | None = None,
+                  one_page_max: int | None = None) -> dict[str, object]:
     """The results file's top-level description of the per-layer figures, and ours' split
     minimum and kernel choice where --min-tokens-per-cta / --mma-max-rows / --mma-min-batch
     replaced the library's."""
@@ -427,7 +431,7 @@ def results_extra(kernels: list[str], metadata: dict[str, str],
             "min_tokens_per_cta": min_tokens_per_cta, "mma_max_rows": mma_max_rows,
             "mma_min_batch": mma_min_batch, "equal_lengths": equal_lengths,
             "whole_extra": whole_extra, "align_extra": align_extra, "restart_pad": restart_pad,
-            "lpt_extra": lpt_extra}
+            "lpt_extra": lpt_extra, "one_page_max": one_page_max}
 
 
 def report(rows: list[BenchRow], kernels: list[str], copy_bw: float | None, out_path: Path,
@@ -480,7 +484,8 @@ def fp8_decode_block(args: argparse.Namespace, copy_bw: float | None = None) -> 
                                                  args.min_tokens_per_cta, args.mma_max_rows,
                                                  args.mma_min_batch, args.equal_lengths,
                                                  args.whole_extra, args.align_extra,
-                                                 args.restart_pad, args.lpt_extra))
+                                                 args.restart_pad, args.lpt_extra,
+                                                 args.one_page_max))
 
     ours_bad, status = run_matrix(m, kernels, FP8_BUILDERS, args, copy_bw, rows, save,
                                   fp8=True)
@@ -691,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      args.mma_max_rows, args.mma_min_batch,
                                                      args.equal_lengths, args.whole_extra,
                                                      args.align_extra, args.restart_pad,
-                                                     args.lpt_extra))
+                                                     args.lpt_extra, args.one_page_max))
 
         ours_bad, status = run_matrix(m, args.kernels, BUILDERS, args, copy_bw, rows, save)
         save()

@@ -10,7 +10,7 @@ namespace mla_backend {
 
 void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int64_t min_units,
                  int64_t unit_tokens, int64_t whole_extra, int64_t align_extra, int64_t restart_pad,
-                 int64_t lpt_extra);
+                 int64_t lpt_extra, int64_t one_unit_max);
 
 // Bytes per value of the dense decode kernels' split partial O: 2 (q's dtype, the default), or
 // 4 in a float32 build (MLA_BACKEND_16BIT_PARTIALS=0, splitkv/params.h)

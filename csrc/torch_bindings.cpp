@@ -9,7 +9,7 @@
 STABLE_TORCH_LIBRARY(mla_backend, m) {
   m.def(
       "plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, int min_units, int unit_tokens, "
-      "int whole_extra, int align_extra, int restart_pad, int lpt_extra) -> ()");
+      "int whole_extra, int align_extra, int restart_pad, int lpt_extra, int one_unit_max) -> ()");
   m.def("dense_partial_bytes() -> int");
   m.def(
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor metadata, "

@@ -192,7 +192,7 @@ def _equal_whole_u(units: list[int], num_ctas: int, min_units: int, whole_extra:
 def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
                          unit_tokens: int = 32, whole_extra: int = -1,
                          align_extra: int = -1, restart_pad: int = -1,
-                         lpt_extra: int = -1) -> torch.Tensor:
+                         lpt_extra: int = -1, one_unit_max: int = -1) -> torch.Tensor:
     """Twin of the GPU planner: int32 [B + 2] = unit prefix sums P[0..B] (request b owns
     units [P[b], P[b+1]), a unit being unit_tokens keys) and U, the units per CTA. With
     whole_extra >= 0 and every request of the same u > 0 units, U is a whole number of
@@ -211,7 +211,12 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
     total is under 2^21 units, whole requests longest first (whole_requests_longest_first)
     when their U is at most max(lpt_extra, balanced U // WHOLE_SHARE_DIVISOR) above the
     balanced U and no equal-lengths whole plan was taken; otherwise the plan above in the
-    requests' own order."""
+    requests' own order.
+    With one_unit_max >= 0 and at most one_unit_max units in all, min_units is 1 (a small
+    step: more, shorter CTAs)."""
+    if one_unit_max >= 0 and int(((seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1)
+                                  // unit_tokens).sum()) <= one_unit_max:
+        min_units = 1
     if lpt_extra >= 0:
         plain = plan_decode_metadata(seq_lens, num_ctas, min_units, unit_tokens, whole_extra,
                                      align_extra, restart_pad)

@@ -24,7 +24,7 @@ using splitkv::kUnitWgmma;
 
 void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int64_t min_units,
                  int64_t unit_tokens, int64_t whole_extra, int64_t align_extra, int64_t restart_pad,
-                 int64_t lpt_extra) {
+                 int64_t lpt_extra, int64_t one_unit_max) {
   STD_TORCH_CHECK(seq_lens.is_cuda() && seq_lens.scalar_type() == ScalarType::Int && seq_lens.is_contiguous(),
                   "plan_decode: seq_lens must be contiguous int32 on CUDA");
   // lpt_extra >= 0: the plan and an order of the requests (splitkv/planner.h), wgmma plans only
@@ -48,11 +48,13 @@ void plan_decode(const Tensor& seq_lens, Tensor& metadata, int64_t num_ctas, int
   STD_TORCH_CHECK(restart_pad == -1 || (unit_tokens == kUnitWgmma && restart_pad >= 0 && restart_pad <= 255),
                   "plan_decode: restart_pad must be -1, or in [0, 255] with unit_tokens ", kUnitWgmma, ", got ",
                   restart_pad, " with unit_tokens ", unit_tokens);
+  STD_TORCH_CHECK(one_unit_max >= -1 && one_unit_max <= INT_MAX, "plan_decode: one_unit_max must be >= -1, got ",
+                  one_unit_max);
   const DeviceGuard guard(seq_lens.get_device_index());
   splitkv::launch_planner(seq_lens.const_data_ptr<int>(), int(seq_lens.numel()), 1, INT_MAX,
                           metadata.mutable_data_ptr<int>(), int(num_ctas), int(min_units), int(unit_tokens),
                           int(whole_extra), int(align_extra), int(restart_pad), int(lpt_extra),
-                          current_stream(seq_lens));
+                          int(one_unit_max), current_stream(seq_lens));
 }
 
 int64_t dense_partial_bytes() { return splitkv::kDense16BitPartials ? 2 : 4; }

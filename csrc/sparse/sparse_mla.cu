@@ -66,7 +66,7 @@ void plan_sparse_decode(const std::optional<Tensor>& topk_length, Tensor& metada
   const DeviceGuard guard(metadata.get_device_index());
   splitkv::launch_planner(topk_length.has_value() ? topk_length->const_data_ptr<int>() : nullptr, int(groups),
                           int(q_tokens_per_req), int(topk), metadata.mutable_data_ptr<int>(), int(num_ctas),
-                          int(min_units), int(unit_tokens), -1, -1, -1, -1, current_stream(metadata));
+                          int(min_units), int(unit_tokens), -1, -1, -1, -1, -1, current_stream(metadata));
 }
 
 void sparse_mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,

@@ -117,7 +117,8 @@ __device__ bool longest_first(int* __restrict__ meta, int batch, int num_ctas, i
 __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict__ lens, int batch, int repeat,
                                                           int max_len, int* __restrict__ meta, int num_ctas,
                                                           int min_units, int unit, int whole_extra,
-                                                          int align_extra, int restart_pad, int lpt_extra) {
+                                                          int align_extra, int restart_pad, int lpt_extra,
+                                                          int one_unit_max) {
   using Scan = cub::BlockScan<int, 1024>;
   __shared__ typename Scan::TempStorage tmp;
   cudaTriggerProgrammaticLaunchCompletion();
@@ -149,11 +150,12 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
   }
   if (threadIdx.x == 0) {
     const int total = carry;
-    int per_cta = max((total + num_ctas - 1) / num_ctas, min_units);
+    const int floor_units = one_unit_max >= 0 && total <= one_unit_max ? 1 : min_units;  // a small step: 1
+    int per_cta = max((total + num_ctas - 1) / num_ctas, floor_units);
     s_whole = 0;
     if (whole_extra >= 0 && batch > 0 && fewest == most && most > 0) {  // equal lengths
       const int u = most;
-      const int whole = u * max((batch + num_ctas - 1) / num_ctas, (min_units + u - 1) / u);
+      const int whole = u * max((batch + num_ctas - 1) / num_ctas, (floor_units + u - 1) / u);
       if (whole - per_cta <= max(whole_extra, per_cta / kWholeShareDivisor)) { per_cta = whole; s_whole = 1; }
     }
     s_per_cta = per_cta;
@@ -263,10 +265,10 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
 }  // namespace
 
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
-                    int unit, int whole_extra, int align_extra, int restart_pad, int lpt_extra,
+                    int unit, int whole_extra, int align_extra, int restart_pad, int lpt_extra, int one_unit_max,
                     cudaStream_t stream) {
   launch_pdl(plan_decode_kernel, dim3(1), dim3(1024), 0, stream, lens, batch, repeat, max_len, meta, num_ctas,
-             min_units, unit, whole_extra, align_extra, restart_pad, lpt_extra);
+             min_units, unit, whole_extra, align_extra, restart_pad, lpt_extra, one_unit_max);
 }
 
 }  // namespace mla_backend::splitkv

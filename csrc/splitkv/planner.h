@@ -7,7 +7,8 @@
 namespace mla_backend::splitkv {
 
 // meta[0..batch] = P (unit prefix sums), meta[batch + 1] = U = max(ceil(all units / num_ctas),
-// min_units). Request b has min(max(lens[b / repeat], 0), max_len) keys (lens == nullptr:
+// min_units), with min_units read as 1 wherever it appears when one_unit_max >= 0 and the
+// requests hold at most one_unit_max units in all (a small step: more, shorter CTAs). Request b has min(max(lens[b / repeat], 0), max_len) keys (lens == nullptr:
 // max_len), in units of `unit` tokens. Dense: lens = seq_lens, repeat 1; sparse: lens =
 // topk_length per batch entry, one request per (entry, query token), max_len = topk.
 // whole_extra >= 0: when every request has the same u > 0 units, U becomes a whole number of
@@ -46,7 +47,7 @@ namespace mla_backend::splitkv {
 constexpr int kPadMaxBatch = 256;
 constexpr int kLptMaxBatch = 1024, kLptMaxCtas = 256, kLptMaxUnits = 1 << 21;
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
-                    int unit, int whole_extra, int align_extra, int restart_pad, int lpt_extra,
+                    int unit, int whole_extra, int align_extra, int restart_pad, int lpt_extra, int one_unit_max,
                     cudaStream_t stream);
 
 }  // namespace mla_backend::splitkv

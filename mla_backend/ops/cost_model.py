@@ -18,6 +18,16 @@ from ._common import D_V
 # and lost at batch 2 and at 4k (+0.2 to +1.5 us; docs/notes/2026-11-27-split-minimum-and-spans.md).
 MIN_TOKENS_PER_CTA = 128
 
+# Dense decode on the wgmma kernel with at most DENSE_ONE_PAGE_MAX_TILES row tiles (H * s_q <=
+# 256): a step of at most DENSE_ONE_PAGE_MAX_PAGES pages in all gives each CTA at least one page,
+# not MIN_TOKENS_PER_CTA keys (the GPU planner sees the step's lengths; the host does not).
+# Measured on the H100 with one page everywhere (2026-11-27;
+# docs/notes/2026-11-27-split-minimum-and-spans.md): batch 1 at 1k (8-24 pages) -4 to -7% at
+# 1-4 tiles, +1.2 us at 8 tiles; batch 2 at 1k (about 32 pages) +0.2 to +0.7 us; batch 1 at 4k
+# +0.5 to +1.3 us on 6 of 12 rows. DENSE_ONE_PAGE_MAX_PAGES -1: never.
+DENSE_ONE_PAGE_MAX_PAGES = 24
+DENSE_ONE_PAGE_MAX_TILES = 4
+
 # The same minimum on a per-tensor fp8 cache where the wgmma kernel holds every query row in one
 # row tile (H * s_q <= 64): its CTAs convert each page before the tensor cores read it, so a step
 # of few pages gains from more, shorter CTAs. Measured on the H100 (2026-11-27, H 16 and 64,

@@ -127,6 +127,24 @@ def _restart_pad(unit_tokens: int) -> int:
     return cost_model.DENSE_RESTART_PAD_UNITS if unit_tokens == 64 else -1
 
 
+def _planner_knobs(rows: int, rows_per_cta: int, unit_tokens: int, kv_fp8: bool, ordered: bool,
+                   min_tokens: int | None = None) -> dict[str, int]:
+    """The GPU planner's arguments after seq_lens, metadata and num_ctas, by name (the op's
+    schema and reference.plan_decode_metadata's keywords), for a plan of `rows` query rows on
+    the kernel of rows_per_cta / unit_tokens; ordered: the plan carries an order of its
+    requests (2B + 2 ints). min_tokens (benchmarks, tests) replaces the least work of one CTA
+    everywhere, small steps included."""
+    one_page = (unit_tokens == 64 and min_tokens is None
+                and -(-rows // rows_per_cta) <= cost_model.DENSE_ONE_PAGE_MAX_TILES)
+    return {"min_units": _dense_min_units(unit_tokens, rows, rows_per_cta, kv_fp8, min_tokens),
+            "unit_tokens": unit_tokens,
+            "whole_extra": cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
+            "align_extra": _align_extra(unit_tokens),
+            "restart_pad": _restart_pad(unit_tokens),
+            "lpt_extra": max(cost_model.DENSE_LPT_EXTRA_UNITS, 0) if ordered else -1,
+            "one_unit_max": cost_model.DENSE_ONE_PAGE_MAX_PAGES if one_page else -1}
+
+
 def _check_plan_args(seq_lens, num_q_tokens_per_req, num_heads, kv_cache_dtype) -> torch.Tensor:
     seq_lens = _require_tensor("seq_lens", seq_lens)
     _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
@@ -294,14 +312,11 @@ def plan_decode(seq_lens: torch.Tensor, num_q_tokens_per_req: int, num_heads: in
         plan = _workspace(batch, [num_q_tokens_per_req], num_heads, kv_fp8, device, sms,
                           "plan_decode").plan_view(batch, num_q_tokens_per_req)
     _extension.require("plan_decode")
-    min_units = _dense_min_units(plan.unit_tokens, plan.rows, plan.rows_per_cta, kv_fp8,
-                                 _min_tokens_per_cta)
     ordered = plan.metadata.numel() == 2 * batch + 2
-    torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas, min_units,
-                                      plan.unit_tokens, cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
-                                      _align_extra(plan.unit_tokens),
-                                      _restart_pad(plan.unit_tokens),
-                                      max(cost_model.DENSE_LPT_EXTRA_UNITS, 0) if ordered else -1)
+    torch.ops.mla_backend.plan_decode(seq_lens, plan.metadata, plan.num_ctas,
+                                      **_planner_knobs(plan.rows, plan.rows_per_cta,
+                                                       plan.unit_tokens, kv_fp8, ordered,
+                                                       _min_tokens_per_cta))
     return plan
 
 

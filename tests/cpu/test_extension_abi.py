@@ -32,7 +32,7 @@ SCHEMAS = {
     "plan_decode": (
         "mla_backend::plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, "
         "int min_units, int unit_tokens, int whole_extra, int align_extra, int restart_pad, "
-        "int lpt_extra) -> ()"),
+        "int lpt_extra, int one_unit_max) -> ()"),
     "plan_sparse_decode": (
         "mla_backend::plan_sparse_decode(Tensor? topk_length, Tensor(a!) metadata, "
         "int q_tokens_per_req, int topk, int num_ctas, int min_units, int unit_tokens) -> ()"),
@@ -142,7 +142,7 @@ def _bf16(*shape):
 
 # (op, arguments, the C++ message); each call fails the op's first check
 CHECK_CASES = [
-    ("plan_decode", lambda: (torch.zeros(2, dtype=torch.int64), _i32(4), 4, 1, 32, 4, -1, -1, -1),
+    ("plan_decode", lambda: (torch.zeros(2, dtype=torch.int64), _i32(4), 4, 1, 32, 4, -1, -1, -1, -1),
      "plan_decode: seq_lens must be contiguous int32 on CUDA"),
     ("mla_decode",
      lambda: (_bf16(2, 576), None, _bf16(3, 64, 576), _i32(2, 3), _i32(2), _i32(4),

@@ -207,6 +207,36 @@ def test_min_units_rounds_up_and_reads_the_minimum_at_call_time(monkeypatch):
     assert [cost_model._min_units(u) for u in (32, 64)] == [16, 8]
 
 
+def test_small_step_takes_one_unit_per_cta():
+    # one request of 1000 keys: 16 pages; two pages a CTA, or one when the step has at most
+    # one_unit_max units in all
+    seq = torch.tensor([1000], dtype=torch.int32)
+    assert ref.plan_decode_metadata(seq, 132, 2, 64).tolist() == [0, 16, 2]
+    assert ref.plan_decode_metadata(seq, 132, 2, 64, one_unit_max=24).tolist() == [0, 16, 1]
+    assert ref.plan_decode_metadata(seq, 132, 2, 64, one_unit_max=15).tolist() == [0, 16, 2]
+    # 3 requests, 21 pages: aligned on one-page CTAs (every start on a boundary either way)
+    seq = torch.tensor([700, 0, 600], dtype=torch.int32)
+    assert ref.plan_decode_metadata(seq, 132, 2, 64, align_extra=1).tolist() == [0, 12, 12, 22, 2]
+    assert ref.plan_decode_metadata(seq, 132, 2, 64, align_extra=1,
+                                    one_unit_max=24).tolist() == [0, 11, 11, 21, 1]
+
+
+def test_planner_knobs_give_small_steps_one_page_up_to_four_row_tiles(monkeypatch):
+    from mla_backend.ops import cost_model, dense
+
+    knobs = dense._planner_knobs(16, 64, 64, False, False)  # H 16, s_q 1, bf16, wgmma
+    assert knobs["min_units"] == 2 and knobs["one_unit_max"] == cost_model.DENSE_ONE_PAGE_MAX_PAGES
+    assert dense._planner_knobs(256, 64, 64, False, False)["one_unit_max"] >= 0  # 4 tiles
+    assert dense._planner_knobs(257, 64, 64, False, False)["one_unit_max"] == -1  # 5 tiles
+    assert dense._planner_knobs(512, 64, 64, False, False)["one_unit_max"] == -1  # H 128, s_q 4
+    assert dense._planner_knobs(16, 16, 32, True, False)["one_unit_max"] == -1  # mma.sync
+    assert dense._planner_knobs(16, 64, 64, False, False, 128)["one_unit_max"] == -1  # override
+    assert dense._planner_knobs(16, 64, 64, False, True)["lpt_extra"] == max(
+        cost_model.DENSE_LPT_EXTRA_UNITS, 0)
+    monkeypatch.setattr(cost_model, "DENSE_ONE_PAGE_MAX_PAGES", -1)
+    assert dense._planner_knobs(16, 64, 64, False, False)["one_unit_max"] == -1  # never
+
+
 def test_dense_min_units_takes_one_page_only_for_fp8_in_one_wgmma_row_tile(monkeypatch):
     from mla_backend.ops import cost_model, dense
 

@@ -49,10 +49,10 @@ def test_builder_decode_first_batch_with_a_prefill(tmp_path, fake_planner):
                              "kv_cache_dtype": None}]
     plan = m.decode.plan
     # H = 16 rows of a 16-bit cache at batch 3: the wgmma kernel, 64-token units ->
-    # ceil(L / 64) = [1, 2, 4] units per request, in an aligned plan of U = 2 (the minimum):
-    # each request starts on a CTA of its own
+    # ceil(L / 64) = [1, 2, 4] units per request; 7 units in all is a small step (at most
+    # DENSE_ONE_PAGE_MAX_PAGES), so one unit a CTA: an aligned plan of U = 1
     assert (plan.batch, plan.q_tokens_per_req, plan.unit_tokens) == (3, 1, 64)
-    assert plan.metadata[:5].tolist() == [0, 2, 4, 8, 2]
+    assert plan.metadata[:5].tolist() == [0, 1, 3, 7, 1]
     assert m.decode.block_table.shape == (3, 8)
     assert m.decode.block_table[:, 0].tolist() == [7, 15, 23]
     assert m.decode.seq_lens.tolist() == [10, 70, 200]
@@ -65,8 +65,8 @@ def test_builder_padded_cuda_graph_rows(tmp_path, fake_planner):
     m = b.build(0, common([1, 1, 0, 0], [100, 7, 0, 0], num_tokens=4))
     assert (m.num_decodes, m.num_decode_tokens, m.num_prefills) == (4, 4, 0)
     assert fake_planner[-1]["seq_lens"] == [100, 7, 0, 0]
-    # units [2, 1, 0, 0], aligned on U = 2: the padding rows own no unit
-    assert m.decode.plan.batch == 4 and m.decode.plan.metadata.tolist() == [0, 2, 4, 4, 4, 2]
+    # units [2, 1, 0, 0], a small step aligned on U = 1: the padding rows own no unit
+    assert m.decode.plan.batch == 4 and m.decode.plan.metadata.tolist() == [0, 2, 3, 3, 3, 1]
 
 
 def test_builder_spec_decode_rows_take_the_decode_kernel(tmp_path, fake_planner):
@@ -78,7 +78,7 @@ def test_builder_spec_decode_rows_take_the_decode_kernel(tmp_path, fake_planner)
     plan = m.decode.plan
     # 4 x 16 = 64 rows: the wgmma kernel, one 64-token page per unit
     assert (plan.batch, plan.q_tokens_per_req, plan.unit_tokens) == (2, 4, 64)
-    assert plan.metadata.tolist() == [0, 2, 8, 2]  # units [1, 5], aligned on U = 2
+    assert plan.metadata.tolist() == [0, 1, 6, 1]  # units [1, 5], a small step: U = 1
     # padded uniform batch during graph replay: the zero-length row is a decode too
     m = b.build(0, common([4, 4, 0], [50, 300, 0], num_tokens=12))
     assert (m.num_decodes, m.decode.plan.batch, m.decode.plan.q_tokens_per_req) == (3, 3, 4)

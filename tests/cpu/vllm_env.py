@@ -167,13 +167,10 @@ def planner_stand_in(monkeypatch):
         kv_fp8 = kv_cache_dtype == torch.float8_e4m3fn
         rows_per_cta, unit_tokens, num_ctas = ops._grid(
             s_q * heads, 132, ops._uses_mma(s_q * heads, seq_lens.shape[0], kv_fp8))
-        min_units = ops.dense._dense_min_units(unit_tokens, s_q * heads, rows_per_cta, kv_fp8)
         ordered = ops.dense._ordered(seq_lens.shape[0], unit_tokens, num_ctas)
-        meta = ref.plan_decode_metadata(seq_lens, num_ctas, min_units, unit_tokens,
-                                        ops.cost_model.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
-                                        ops.dense._align_extra(unit_tokens),
-                                        ops.dense._restart_pad(unit_tokens),
-                                        ops.cost_model.DENSE_LPT_EXTRA_UNITS if ordered else -1)
+        meta = ref.plan_decode_metadata(
+            seq_lens, num_ctas,
+            **ops.dense._planner_knobs(s_q * heads, rows_per_cta, unit_tokens, kv_fp8, ordered))
         return ops.DecodePlan(batch=seq_lens.shape[0], q_tokens_per_req=s_q, num_heads=heads,
                               kv_fp8=kv_cache_dtype is not None, rows_per_cta=rows_per_cta,
                               unit_tokens=unit_tokens, num_ctas=num_ctas, metadata=meta,

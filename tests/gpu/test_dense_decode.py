@@ -122,6 +122,13 @@ def test_large_batch_and_long_context():
     _check(lens[:16], 2, 128)
 
 
+def _knobs(plan) -> dict[str, int]:
+    """The planner's arguments that ops.plan_decode passed for `plan` (the twin's keywords)."""
+    ordered = plan.metadata.numel() == 2 * plan.batch + 2
+    return ops.dense._planner_knobs(plan.rows, plan.rows_per_cta, plan.unit_tokens, plan.kv_fp8,
+                                    ordered)
+
+
 def _plan_parts(plan) -> tuple[list[int], int, list[int] | None]:
     """A plan's P[0..B], U and order of the requests (None: a plan without one)."""
     meta, batch = plan.metadata.cpu().tolist(), plan.batch
@@ -194,10 +201,7 @@ def test_longest_first_plan_under_cuda_graph_replays_with_new_lengths():
         plan = ws.plan_view(batch, 1)
         _, _, order = _plan_parts(plan)
         assert order is not None and order != list(range(batch)), "the order should be taken"
-        want = ref.plan_decode_metadata(lens, plan.num_ctas, -(-ops.MIN_TOKENS_PER_CTA // 64), 64,
-                                        ops.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
-                                        ops.dense._align_extra(64), ops.dense._restart_pad(64),
-                                        ops.cost_model.DENSE_LPT_EXTRA_UNITS)
+        want = ref.plan_decode_metadata(lens, plan.num_ctas, **_knobs(plan))
         assert plan.metadata.cpu().tolist() == want.tolist()
         orders.append(order)
     assert orders[0] != orders[1] != orders[2]  # each replay planned its own lengths
@@ -248,21 +252,18 @@ def test_large_scale_sharp_softmax():
     torch.randint(0, 9000, (257,), generator=torch.Generator().manual_seed(6), dtype=torch.int32),
     torch.randint(512, 1536, (128,), generator=torch.Generator().manual_seed(7), dtype=torch.int32),
     torch.randint(0, 1536, (1024,), generator=torch.Generator().manual_seed(9), dtype=torch.int32),
+    torch.tensor([1000], dtype=torch.int32),  # small steps: one page a CTA
+    torch.tensor([700, 0, 600], dtype=torch.int32),
 ], ids=["ragged", "equal-64x8k", "equal-128x4k", "equal-1500x1k", "aligned-7", "aligned-32",
-        "padded-128", "padded-256", "packed-257", "longest-first-128", "longest-first-1024"])
+        "padded-128", "padded-256", "packed-257", "longest-first-128", "longest-first-1024",
+        "small-1", "small-3"])
 def test_planner_matches_python_twin(seq):
     # fp8 at H 16: one row tile of the wgmma kernel below 16 requests (its own minimum work)
     for heads, kv_dtype in ((16, None), (128, None), (16, torch.float8_e4m3fn)):
         plan = ops.plan_decode(seq.cuda(), 1, heads, kv_cache_dtype=kv_dtype)
-        min_units = ops.dense._dense_min_units(plan.unit_tokens, plan.rows, plan.rows_per_cta,
-                                               plan.kv_fp8)
         ordered = plan.metadata.numel() == 2 * seq.shape[0] + 2
         assert ordered == ops.dense._ordered(seq.shape[0], plan.unit_tokens, plan.num_ctas)
-        want = ref.plan_decode_metadata(seq, plan.num_ctas, min_units, plan.unit_tokens,
-                                        ops.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
-                                        ops.dense._align_extra(plan.unit_tokens),
-                                        ops.dense._restart_pad(plan.unit_tokens),
-                                        ops.cost_model.DENSE_LPT_EXTRA_UNITS if ordered else -1)
+        want = ref.plan_decode_metadata(seq, plan.num_ctas, **_knobs(plan))
         assert torch.equal(plan.metadata.cpu(), want)
 
 
@@ -309,10 +310,8 @@ def test_padded_plan_gaps_inside_ctas(kv_fp8, heads, s_q):
     assert plan.unit_tokens == 64 and max(gaps) > 0, f"no padding in {P} on U = {U}"
     assert all(0 <= gp <= ops.cost_model.DENSE_RESTART_PAD_UNITS for gp in gaps)
     assert any(p % U for p in P[1:-1]), f"no request starts inside a CTA in {P} on U = {U}"
-    min_units = -(-ops.MIN_TOKENS_PER_CTA // plan.unit_tokens)
     want = ref.plan_decode_metadata(torch.tensor(lens, dtype=torch.int32), plan.num_ctas,
-                                    min_units, 64, ops.DENSE_WHOLE_REQUEST_EXTRA_UNITS,
-                                    ops.dense._align_extra(64), ops.dense._restart_pad(64))
+                                    **_knobs(plan))
     assert meta == want.tolist()
 
 
