@@ -118,6 +118,11 @@ def _parse(argv):
                         f"{e2e_spread.DEFAULT_ROUNDS})")
     p.add_argument("--log-interval", type=int, default=None,
                    help="sglang: decode steps per step-time record (default 16)")
+    p.add_argument("--gpu-busy", action="store_true",
+                   help="vllm: time the GPU's busy µs per decode step (torch's profiler over "
+                        "the same steps: kernels, copies and memsets, overlaps once; the "
+                        "engine core in the engine's process) instead of the wall time; the "
+                        "wall times go to the row's notes")
     p.add_argument("--out", default=None, help="results file or directory")
     p.add_argument("--logs", default=None, help="directory for the engines' logs")
     args = p.parse_args(argv)
@@ -144,6 +149,8 @@ def _parse(argv):
     args.rounds = e2e_spread.DEFAULT_ROUNDS if args.rounds is None else args.rounds
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: must be 1 or more")
+    if args.gpu_busy and args.engine != "vllm":
+        p.error("--gpu-busy: only with --engine vllm")
     if args.engine == "vllm":
         if args.log_interval is not None:
             p.error(f"--log-interval {args.log_interval}: only with --engine sglang")
@@ -163,7 +170,8 @@ def vllm_spec(args, model: str, key: str) -> dict:
             "max_model_len": args.context + args.steps + 64, "max_num_seqs": args.batch,
             "gpu_memory_utilization": 0.6, "max_num_batched_tokens": 16384,
             "timing": {"prompt_len": args.context - args.steps - 1, "batch": args.batch,
-                       "steps": args.steps, "repeats": args.repeats}}
+                       "steps": args.steps, "repeats": args.repeats,
+                       "gpu_busy": args.gpu_busy}}
 
 
 def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow:
@@ -173,13 +181,18 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow
     vllm_version = _vllm_version()
     skipped: dict[str, str] = {}
     tokens_per_s: dict[str, list[float]] = {}
+    wall_us: dict[str, list[float]] = {}
+
+    def seen(key: str, t: dict) -> None:
+        tokens_per_s.setdefault(key, []).append(t["decode_tokens_per_s"])
+        wall_us.setdefault(key, []).extend(t["step_us_all"])
 
     def timer(key: str, spec: dict):
         return e2e_spread.engine_timer(
             lambda log_path, label: engines.run_engine(spec, log_path, label=label,
                                                        timeout_s=900),
             f"H={heads} {spec['backend']}", f"h{heads}-{key}", logs,
-            lambda t: tokens_per_s.setdefault(key, []).append(t["decode_tokens_per_s"]))
+            lambda t: seen(key, t), "gpu_busy_us_all" if args.gpu_busy else "step_us_all")
 
     timers = {}
     for key in args.backends:
@@ -194,6 +207,10 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow
     row = e2e_spread.assemble_row(config, timings, skipped)
     row.notes["ours"] = "tokens/s " + ", ".join(
         f"{k} {statistics.median(v):.0f}" for k, v in tokens_per_s.items() if k in row.us)
+    if args.gpu_busy:
+        row.wall_us_rounds = {k: v for k, v in wall_us.items() if k in row.us}
+        row.notes["timed"] = "us: the GPU's busy us per decode step; wall us per step: " + (
+            ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in row.wall_us_rounds.items()))
     return row
 
 
@@ -205,6 +222,8 @@ def results_job(args) -> str:
         job += "_v32"
     if args.kv_cache_dtype not in BF16_CACHES:
         job += f"_{args.kv_cache_dtype}"
+    if args.gpu_busy:
+        job += "_gpu_busy"
     return job
 
 
@@ -249,9 +268,14 @@ def main(argv=None) -> int:
         else:
             rows.append(e2e_sglang.time_row(args, model, config, logs))
         # after every row: a run cut short still leaves what it measured
+        timed = ("the GPU's busy time per decode step (torch profiler: the union of kernels, "
+                 "copies and memsets); wall_us_rounds: the wall time per step of the same calls"
+                 if args.gpu_busy else "the wall time per decode step" if args.engine == "vllm"
+                 else "SGLang's decode step-time records")
         common.write_results(path, job="e2e_decode", gpu=gpu, date=date, commit=commit,
                              copy_bw_gbs=None, rows=rows,
-                             extra={"engine": args.engine, "engine_version": engine_version})
+                             extra={"engine": args.engine, "engine_version": engine_version,
+                                    "timed": timed})
     common.print_table(rows, list(args.backends), None)
     common.print_summary(rows)
     for row in rows:

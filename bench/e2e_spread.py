@@ -21,13 +21,18 @@ DEFAULT_ROUNDS = 2  # engine processes per backend, started in turn
 @dataclass
 class SpreadRow(common.BenchRow):
     """A results row that also carries each backend's spread over its timed calls, in
-    percent of its median."""
+    percent of its median, and, where `us` is the GPU's busy time, the wall times per step of
+    the same calls."""
 
     spread_pct: dict[str, float] = field(default_factory=dict)
+    wall_us_rounds: dict[str, list[float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         doc = super().to_json()
         doc["spread_pct"] = {k: round(v, 2) for k, v in self.spread_pct.items()}
+        if self.wall_us_rounds:
+            doc["wall_us_rounds"] = {k: [round(x, 2) for x in v]
+                                     for k, v in self.wall_us_rounds.items()}
         return doc
 
 
@@ -69,10 +74,12 @@ def verdict(row: SpreadRow) -> str:
 
 
 def engine_timer(start: Callable[[str, str], dict], label: str, log_stem: str, logs: str,
-                 on_timing: Callable[[dict], None] | None = None) -> Callable[[], list[float]]:
+                 on_timing: Callable[[dict], None] | None = None,
+                 field: str = "step_us_all") -> Callable[[], list[float]]:
     """A timer for common.time_in_rounds: each call starts one engine process, round r's, by
-    start(log_path, label) (an engine run's result with "timing") and returns its step times
-    (us); on_timing, if given, sees each timing."""
+    start(log_path, label) (an engine run's result with "timing") and returns the timing's
+    `field`: its step times (us), or gpu_busy_us_all, the GPU's busy µs per step; on_timing,
+    if given, sees each timing."""
     rounds = itertools.count()
 
     def one_engine() -> list[float]:
@@ -89,7 +96,11 @@ def engine_timer(start: Callable[[str, str], dict], label: str, log_stem: str, l
         common.log(f"{what}: {t['step_us']:.0f} us per step ({t['decode_tokens_per_s']:.0f}"
                    f" tokens/s; calls: {', '.join(f'{x:.0f}' for x in t['step_us_all'])};"
                    f" engine start {res['engine_start_s']:.0f} s)")
-        return list(t["step_us_all"])
+        if field not in t:
+            raise RuntimeError(f"the engine's timing has no {field}")
+        if field != "step_us_all":
+            common.log(f"{what}: {field}: {', '.join(f'{x:.1f}' for x in t[field])}")
+        return list(t[field])
 
     return one_engine
 

@@ -13,7 +13,8 @@ gpu_memory_utilization, kv_cache_memory_bytes (a fixed KV cache: vLLM then skips
 profiling, so engines can share GPUs), speculative (vLLM's speculative_config or null),
 async_scheduling (null: vLLM's default), tokenizer (bool: the model dir has one), prompts
 (token-id lists), max_tokens, logprobs, and optionally timing {prompt_len, batch, steps,
-repeats}: decode-step time (see _time_decode), and preload {module: options}: modules
+repeats, gpu_busy}: decode-step time (see _time_decode; gpu_busy: also the GPU's busy time
+per step, gpu_busy.py), and preload {module: options}: modules
 imported into the engine's process before the engine is built (see _preload).
 """
 
@@ -26,7 +27,7 @@ import os
 import sys
 import time
 
-from . import engines
+from . import engines, gpu_busy
 
 ENTRY_POINT = "mla_backend_entry.vllm_plugin:register"
 
@@ -60,6 +61,9 @@ def _preload(spec: dict) -> dict:
 
 
 def _llm(spec: dict):
+    if (spec.get("timing") or {}).get("gpu_busy"):
+        # the profiler records the GPU work of this process: keep the engine core in it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if not entry_point_installed():
         # Our package is importable (PYTHONPATH) but not pip-installed: vLLM's engine-core
         # process would not load the plugin, so keep the engine in this process.
@@ -122,14 +126,17 @@ def _generate(llm, spec: dict) -> list[dict]:
     return results
 
 
-def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str) -> float:
+def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str, busy=None) -> float:
     """Drive the engine step by step: once every request has its first token (prefill done),
     each engine step gives each of them one new token. The step time is the span between the
     first and the last engine step that returned the whole batch, over the tokens the slowest
     request gained between them: a step whose outputs arrive in parts, or are not returned on
     their own, still counts once. Prefill is not in it. Python's garbage collector is off
     while the steps run (after one collection), as timeit does: a collection of the engine's
-    large heap inside the timed span would be charged to the backend under test."""
+    large heap inside the timed span would be charged to the backend under test.
+
+    busy (a gpu_busy.GpuBusy), if given, records the GPU over the same span: started after the
+    first whole-batch step, stopped after the last; busy.steps is set to the steps it saw."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -151,12 +158,18 @@ def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str) -> float:
             decoding = len(produced) == len(prompts) and min(produced.values()) >= 2
             if decoding and len(outs) == len(prompts):
                 stamps.append((now, min(produced.values())))
+                if busy is not None and len(stamps) == 1:
+                    busy.start()
+        if busy is not None and stamps:
+            busy.stop()
     finally:
         if gc_was_enabled:
             gc.enable()
     (t0, n0), (t1, n1) = (stamps[0], stamps[-1]) if stamps else ((0.0, 0), (0.0, 0))
     if len(stamps) < 3 or n1 - n0 < 2:
         raise RuntimeError(f"only {len(stamps)} whole-batch decode steps seen; raise steps")
+    if busy is not None:
+        busy.steps = n1 - n0
     return (t1 - t0) / (n1 - n0)
 
 
@@ -174,9 +187,18 @@ def _time_decode(llm, timing: dict) -> dict:
     # prefill once (later requests find the prompts in the prefix cache) and warm up
     llm.generate(prompts, SamplingParams(max_tokens=1 + steps, temperature=0.0,
                                          ignore_eos=True, detokenize=False), use_tqdm=False)
-    step_s = [_decode_step_s(llm, prompts, steps, f"timing{r}")
-              for r in range(timing.get("repeats", 3))]
-    return engines.step_timing(step_s, timing)
+    step_s, gpu = [], []
+    for r in range(timing.get("repeats", 3)):
+        busy = gpu_busy.GpuBusy() if timing.get("gpu_busy") else None
+        step_s.append(_decode_step_s(llm, prompts, steps, f"timing{r}", busy))
+        if busy is not None:
+            gpu.append({"busy_us": busy.busy_us / busy.steps,
+                        "kernels": busy.kernels / busy.steps})
+    result = engines.step_timing(step_s, timing)
+    if gpu:
+        result["gpu_busy_us_all"] = [g["busy_us"] for g in gpu]
+        result["gpu_kernels_per_step"] = [g["kernels"] for g in gpu]
+    return result
 
 
 def main(argv: list[str]) -> int:

@@ -64,6 +64,7 @@ def test_sglang_arguments_and_defaults():
     (["--arch", "v32", "--context", "2176"],
      "--context 2176 --steps 128: with --arch v32 the prompts (context - steps - 1 tokens) "
      "must be longer than index_topk 2048"),
+    (["--engine", "sglang", "--gpu-busy"], "--gpu-busy: only with --engine vllm"),
 ])
 def test_bad_arguments_are_named(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -181,7 +182,7 @@ def test_vllm_v32_engine_specs(cache, names):
         assert (spec["backend"], spec["kv_cache_dtype"]) == (backend, cache)
         assert spec["mode"] == "graphs" and spec["load_format"] == "dummy"
         assert spec["timing"] == {"prompt_len": 8192 - 128 - 1, "batch": 64, "steps": 128,
-                                  "repeats": 5}
+                                  "repeats": 5, "gpu_busy": False}
     v3 = e2e_decode.vllm_spec(e2e_decode._parse([]), "/m", "flashmla")
     assert (v3["backend"], v3["kv_cache_dtype"]) == ("FLASHMLA", "auto")
 
@@ -229,6 +230,7 @@ def test_sglang_v32_engine_specs(cache, kernel):
     (["--arch", "v32", "--engine", "sglang"], "e2e_decode_sglang_v32"),
     (["--arch", "v32", "--engine", "sglang", "--kv-cache-dtype", "fp8_e4m3"],
      "e2e_decode_sglang_v32_fp8_e4m3"),
+    (["--gpu-busy"], "e2e_decode_gpu_busy"),
 ])
 def test_results_file_names_keep_engines_models_and_caches_apart(argv, job):
     assert e2e_decode.results_job(e2e_decode._parse(argv)) == job
@@ -351,3 +353,45 @@ def test_vllm_bench_interleaves_engines_and_reports_the_spread(monkeypatch, tmp_
     assert row["speedup_vs_best_peer"] == pytest.approx(1030.5 / 930.5, abs=1e-4)
     assert row["skipped"]["fa3_mla"].startswith("EngineFailed")
 
+
+
+def test_vllm_bench_gpu_busy_times_the_gpu_and_keeps_the_wall_times(monkeypatch, tmp_path):
+    specs = []
+
+    def fake_run_engine(spec, log_path, *, label="", timeout_s=900, **kw):
+        specs.append(spec)
+        n = len(specs)
+        wall = [4000.0 + 500 * n + i for i in range(spec["timing"]["repeats"])]
+        gpu = [(2000.0 if spec["backend"] == "CUSTOM" else 2100.0) + n + i
+               for i in range(spec["timing"]["repeats"])]
+        return {"engine_start_s": 30.0,
+                "timing": {"step_us": wall[0], "decode_tokens_per_s": 64e6 / wall[0],
+                           "step_us_all": wall, "gpu_busy_us_all": gpu}}
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(engines, "run_engine", fake_run_engine)
+    out = tmp_path / "r.json"
+    assert e2e_decode.main(["--heads", "16", "--repeats", "2", "--rounds", "1", "--backends",
+                            "ours", "flashmla", "--gpu-busy", "--out", str(out),
+                            "--logs", str(tmp_path)]) == 0
+    assert all(s["timing"]["gpu_busy"] for s in specs)
+    doc = json.loads(out.read_text())
+    assert doc["timed"].startswith("the GPU's busy time per decode step")
+    (row,) = doc["rows"]
+    assert row["us_rounds"] == {"ours": [2001.0, 2002.0], "flashmla": [2102.0, 2103.0]}
+    assert row["wall_us_rounds"] == {"ours": [4500.0, 4501.0], "flashmla": [5000.0, 5001.0]}
+    assert row["speedup_vs_best_peer"] == pytest.approx(2102.5 / 2001.5, abs=1e-4)
+
+
+def test_a_timing_without_gpu_busy_fails_that_backend(monkeypatch, tmp_path):
+    def fake_run_engine(spec, log_path, *, label="", timeout_s=900, **kw):
+        return {"engine_start_s": 30.0,
+                "timing": {"step_us": 1.0, "decode_tokens_per_s": 1.0, "step_us_all": [1.0]}}
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(engines, "run_engine", fake_run_engine)
+    out = tmp_path / "r.json"
+    assert e2e_decode.main(["--heads", "16", "--rounds", "1", "--backends", "ours",
+                            "--gpu-busy", "--out", str(out), "--logs", str(tmp_path)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["us"] == {} and "no gpu_busy_us_all" in row["skipped"]["ours"]

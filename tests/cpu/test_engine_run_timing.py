@@ -88,3 +88,30 @@ def test_garbage_collector_is_off_during_the_steps_and_restored(monkeypatch, ena
     finally:
         (gc.enable if was else gc.disable)()
 
+
+
+class FakeBusy:
+    """A gpu_busy.GpuBusy stand-in that notes the engine step at which it started and
+    stopped."""
+
+    def __init__(self, engine):
+        self.engine, self.started, self.stopped, self.steps = engine, None, None, None
+
+    def start(self):
+        self.started = self.engine.step_no
+
+    def stop(self):
+        self.stopped = self.engine.step_no
+
+
+def test_gpu_busy_spans_the_timed_steps(monkeypatch):
+    engine = FakeEngine()
+    monkeypatch.setattr(engine_run.time, "perf_counter", lambda: engine.clock)
+    llm = types.SimpleNamespace(llm_engine=engine)
+    busy = FakeBusy(engine)
+    got = engine_run._decode_step_s(llm, [{"prompt_token_ids": [1]}] * 4, steps=24, tag="t",
+                                    busy=busy)
+    assert got == pytest.approx(STEP_S)
+    # step 1 prefills, step 2 is the first whole-batch decode step (the first stamp); the
+    # recorder runs from there to the last step (25 tokens each), over the 23 steps between
+    assert (busy.started, busy.stopped, busy.steps) == (2, 25, 23)

@@ -1,0 +1,71 @@
+"""GPU busy time of a span of engine steps, from torch's profiler (CUPTI activity records).
+
+An engine's step loop measured by the wall clock includes the host: scheduling, input
+preparation, output processing. With a few layers that host time is most of a step and it
+varies from step to step by tens of percent, more than attention backends differ. The GPU's
+busy time is what the backend changes: the union of the intervals in which a kernel, a copy or
+a memset ran, so that overlapping work counts once and idle gaps (the GPU waiting for the
+host) not at all. Kernels replayed from CUDA graphs are recorded like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+# chrome-trace categories of the GPU's own activity records
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) spans (any unit)."""
+    total, end = 0.0, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def gpu_spans(trace: dict) -> tuple[list[tuple[float, float]], int]:
+    """The GPU activity spans (µs) of a chrome trace as torch's profiler exports it, and how
+    many of them are kernels."""
+    spans, kernels = [], 0
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") in GPU_CATEGORIES:
+            spans.append((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))))
+            kernels += ev["cat"] == "kernel"
+    return spans, kernels
+
+
+class GpuBusy:
+    """start() ... stop(): the GPU's busy µs and kernel count in between (on every device the
+    process drives; the engine runs in this process)."""
+
+    def __init__(self) -> None:
+        self._prof = None
+        self.busy_us: float | None = None
+        self.kernels: int | None = None
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CUDA])
+        self._prof.start()
+
+    def stop(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self._prof.stop()
+        with tempfile.TemporaryDirectory(prefix="gpu_busy_") as tmp:
+            path = os.path.join(tmp, "trace.json")
+            self._prof.export_chrome_trace(path)
+            with open(path) as f:
+                spans, self.kernels = gpu_spans(json.load(f))
+        self._prof = None
+        self.busy_us = union_us(spans)
