@@ -186,6 +186,10 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow
     def seen(key: str, t: dict) -> None:
         tokens_per_s.setdefault(key, []).append(t["decode_tokens_per_s"])
         wall_us.setdefault(key, []).extend(t["step_us_all"])
+        if t.get("gpu_top_us_per_step"):
+            common.log(f"H={heads} {key}: {t['gpu_kernels_per_step'][-1]:.0f} kernels per step;"
+                       " GPU us per step by kernel: " + "; ".join(
+                           f"{us:.1f} {name}" for name, us in t["gpu_top_us_per_step"]))
 
     def timer(key: str, spec: dict):
         return e2e_spread.engine_timer(

@@ -193,11 +193,13 @@ def _time_decode(llm, timing: dict) -> dict:
         step_s.append(_decode_step_s(llm, prompts, steps, f"timing{r}", busy))
         if busy is not None:
             gpu.append({"busy_us": busy.busy_us / busy.steps,
-                        "kernels": busy.kernels / busy.steps})
+                        "kernels": busy.kernels / busy.steps,
+                        "top": busy.top(16, busy.steps)})
     result = engines.step_timing(step_s, timing)
     if gpu:
         result["gpu_busy_us_all"] = [g["busy_us"] for g in gpu]
         result["gpu_kernels_per_step"] = [g["kernels"] for g in gpu]
+        result["gpu_top_us_per_step"] = gpu[-1]["top"]  # the last repeat's
     return result
 
 

@@ -31,15 +31,18 @@ def union_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def gpu_spans(trace: dict) -> tuple[list[tuple[float, float]], int]:
-    """The GPU activity spans (µs) of a chrome trace as torch's profiler exports it, and how
-    many of them are kernels."""
-    spans, kernels = [], 0
+def gpu_spans(trace: dict) -> tuple[list[tuple[float, float]], int, dict[str, float]]:
+    """The GPU activity spans (µs) of a chrome trace as torch's profiler exports it, how many
+    of them are kernels, and the µs of each activity name (summed)."""
+    spans, kernels, by_name = [], 0, {}
     for ev in trace.get("traceEvents", []):
         if ev.get("ph") == "X" and ev.get("cat") in GPU_CATEGORIES:
-            spans.append((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))))
+            dur = float(ev.get("dur", 0.0))
+            spans.append((float(ev["ts"]), float(ev["ts"]) + dur))
             kernels += ev["cat"] == "kernel"
-    return spans, kernels
+            name = str(ev.get("name", "?"))
+            by_name[name] = by_name.get(name, 0.0) + dur
+    return spans, kernels, by_name
 
 
 class GpuBusy:
@@ -50,6 +53,12 @@ class GpuBusy:
         self._prof = None
         self.busy_us: float | None = None
         self.kernels: int | None = None
+        self.by_name: dict[str, float] = {}  # µs per activity name, summed
+
+    def top(self, n: int, per: float = 1.0) -> list[list]:
+        """The n activity names with the most µs, as [name, µs / per], most first."""
+        ranked = sorted(self.by_name.items(), key=lambda kv: -kv[1])[:n]
+        return [[name[:120], round(us / per, 2)] for name, us in ranked]
 
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -66,6 +75,6 @@ class GpuBusy:
             path = os.path.join(tmp, "trace.json")
             self._prof.export_chrome_trace(path)
             with open(path) as f:
-                spans, self.kernels = gpu_spans(json.load(f))
+                spans, self.kernels, self.by_name = gpu_spans(json.load(f))
         self._prof = None
         self.busy_us = union_us(spans)

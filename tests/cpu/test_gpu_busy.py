@@ -27,7 +27,14 @@ def test_gpu_spans_take_kernels_copies_and_sets_only():
         {"ph": "i", "cat": "kernel", "name": "marker", "ts": 0.0},
         {"ph": "M", "name": "process_name"},
     ]}
-    spans, kernels = gpu_busy.gpu_spans(trace)
+    spans, kernels, by_name = gpu_busy.gpu_spans(trace)
     assert kernels == 2  # not the instant marker
+    assert by_name == {"mla": 30.0, "HtoD": 5.0, "set": 1.0, "norm": 4.0}
     assert sorted(spans) == [(100.0, 130.0), (110.0, 114.0), (140.0, 145.0), (150.0, 151.0)]
     assert gpu_busy.union_us(spans) == 36.0
+
+
+def test_top_names_per_step():
+    busy = gpu_busy.GpuBusy()
+    busy.by_name = {"a": 10.0, "b": 40.0, "c": 20.0}
+    assert busy.top(2, per=10) == [["b", 4.0], ["c", 2.0]]
