@@ -7,9 +7,16 @@ v2 (a fixed window of num_draft_tokens queries) run on `ops.mla_decode`, with on
 `ops.plan_decode` per step shared by every layer (no host sync).
 
 CUDA graphs (SGLang's out-of-graph / in-graph metadata API): `init_forward_metadata_out_graph`
-runs before capture and before every replay; it writes key lengths, the page table and the
-plan into buffers whose addresses never change (`init_cuda_graph_state` allocates them, the
-plan lives in a DecodeWorkspace), so the captured kernel launches read the current step.
+runs on the stream before capture and before every replay, outside the graph. It writes the
+key lengths and the page table into buffers whose addresses never change (`init_cuda_graph_state`
+allocates them); the page table stays out of the graph because it reads req_to_token, whose
+reads SGLang's decode runner declares done before the replay. `init_forward_metadata_in_graph`,
+captured in the graph, makes the step's plan into a DecodeWorkspace on a side stream forked at
+the start of the graph, so the planner kernel runs beside the model's first layer; the step's
+first decode layer waits for it (the graph's fork and join). Where no in-graph call follows the
+out-of-graph one before a forward, the first decode layer makes the plan, on the stream. Under
+SGLang's breakable graphs, whose attention runs eagerly between captured segments, the
+out-of-graph call makes the plan itself.
 Padded graph rows arrive with seq_len 1 (get_cuda_graph_seq_len_fill_value) and attend to one
 key of their (valid) request slot; their output is discarded by SGLang.
 """
@@ -17,11 +24,15 @@ key of their (valid) request slot; their output is discarded by SGLang.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from sglang.srt.layers.attention.flashinfer_mla_backend import FlashInferMLAAttnBackend
 from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
+from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import (
+    is_in_breakable_cuda_graph,
+)
 from sglang.srt.runtime_context import get_parallel, get_spec
 
 from .. import ops
@@ -39,9 +50,32 @@ def on_decode_kernel(mode) -> bool:
 
 @dataclass
 class DecodeMetadata:
-    plan: ops.DecodePlan
+    plan: ops.DecodePlan | None  # None: not made yet (the step's first decode layer makes it)
     page_table: torch.Tensor  # int32 [bs, pages]: page ids of each request's keys
     cache_seqlens_int32: torch.Tensor  # int32 [bs]: keys per request, queries included
+    q_tokens: int  # query tokens per request (s_q)
+
+
+class SideStream:
+    """A CUDA stream beside the current one: run() forks work onto it, join() waits for it."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device=device)
+
+    def run(self, fn):
+        """fn() on this stream after the work enqueued so far on the current stream (in a
+        capture, a branch of the graph); returns fn's result and the event join() waits on."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            result = fn()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return result, done
+
+    @staticmethod
+    def join(done) -> None:
+        """The current stream waits for run()'s work (in a capture, the graph's join)."""
+        torch.cuda.current_stream().wait_event(done)
 
 
 def decode_query(q: torch.Tensor, q_rope: torch.Tensor | None, batch: int, s_q: int,
@@ -84,6 +118,9 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
         self._eager_page_table = None
         self._graph_page_table = None
         self._graph_key_lens = None
+        self._graph_step = None  # the out-of-graph metadata that in-graph plans for
+        self._side = None  # SideStream of the in-graph plan (CUDA only)
+        self._pending_plan = None  # its event, until a decode layer waits on it
         self._verify_mask = None
         logger.info("%s: dense MLA decode on %s kernels (%d query heads, cache %s, up to %d "
                     "query tokens per request)", NAME, NAME, self.num_q_heads,
@@ -118,10 +155,18 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
             self._eager_page_table = buf
         return buf[:bs, :columns]
 
+    def _join_plan(self) -> None:
+        """The stream waits for the in-graph plan on the side stream, if one is pending."""
+        if self._pending_plan is not None:
+            done, self._pending_plan = self._pending_plan, None
+            self._side.join(done)
+
     def init_forward_metadata(self, forward_batch):
         mode = forward_batch.forward_mode
         if not on_decode_kernel(mode):
             return super().init_forward_metadata(forward_batch)
+        self._join_plan()  # a side-stream plan no layer waited for still writes the workspace
+        self._graph_step = None
         bs = forward_batch.batch_size
         if bs == 0:  # an idle batch runs no attention
             self.forward_metadata = None
@@ -132,7 +177,7 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
         columns = metadata.pages_for(self._max_keys(forward_batch.seq_lens_cpu, bs, s_q, mode))
         table = metadata.fill_page_table(self.req_to_token, forward_batch.req_pool_indices,
                                          self._eager_table(bs, columns))
-        self.forward_metadata = DecodeMetadata(self._plan(key_lens, s_q), table, key_lens)
+        self.forward_metadata = DecodeMetadata(self._plan(key_lens, s_q), table, key_lens, s_q)
         return None
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, kv_indices_buf=None):
@@ -144,6 +189,8 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
         self._graph_key_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         if max_bs > self.workspace.max_batch:
             self.workspace = self._workspace(max_bs)
+        if self._side is None and torch.device(self.device).type == "cuda":
+            self._side = SideStream(self.device)
         self._verify_mask = maybe_create_verify_mask(
             is_draft_runner=self.is_draft_runner, skip_prefill=self.skip_prefill,
             max_bs=max_bs, max_context_len=self.max_context_len,
@@ -160,7 +207,12 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
         if self._graph_page_table is None:
             raise RuntimeError(f"{NAME}: init_cuda_graph_state must run before a graph's "
                                f"metadata")
+        self._join_plan()  # a side-stream plan no layer waited for still reads the key lengths
+        self._graph_step = None
         bs = forward_batch.batch_size
+        if bs == 0:  # an idle batch runs no attention
+            self.forward_metadata = None
+            return None
         s_q = metadata.query_tokens(mode, self.num_draft_tokens)
         # graph batches of draft-extend v2 carry the padded query window in seq_lens
         static_lens = metadata.key_lengths(mode, forward_batch.seq_lens[:bs],
@@ -174,7 +226,29 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
             self._max_keys(seq_lens_cpu, bs, s_q, mode)))
         metadata.fill_page_table(self.req_to_token, forward_batch.req_pool_indices,
                                  table[:, :columns])
-        self.forward_metadata = DecodeMetadata(self._plan(static_lens, s_q), table, static_lens)
+        if is_in_breakable_cuda_graph():  # attention runs eagerly, between captured segments
+            self.forward_metadata = DecodeMetadata(self._plan(static_lens, s_q), table,
+                                                   static_lens, s_q)
+            return None
+        # the plan: init_forward_metadata_in_graph, else the step's first decode layer
+        self.forward_metadata = self._graph_step = DecodeMetadata(None, table, static_lens, s_q)
+        return None
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        if not on_decode_kernel(forward_batch.forward_mode):
+            return super().init_forward_metadata_in_graph(forward_batch)
+        step = self._graph_step
+        # None: eager metadata, an idle batch or a breakable graph (planned out of the graph).
+        # A two-batch-overlap parent runs its attention on the children's backends: no fork,
+        # which no decode layer would join (a layer that does run here plans for itself).
+        if step is None or getattr(forward_batch, "tbo_children", None):
+            return None
+        plan_step = partial(self._plan, step.cache_seqlens_int32, step.q_tokens)
+        if self._side is None:
+            plan = plan_step()
+        else:  # beside the model's first layer; the first decode layer waits (_join_plan)
+            plan, self._pending_plan = self._side.run(plan_step)
+        self.forward_metadata = replace(step, plan=plan)
         return None
 
     def get_cuda_graph_seq_len_fill_value(self):
@@ -200,7 +274,11 @@ class MLADenseBackend(FlashInferMLAAttnBackend):
                                                         k_rope)
             else:
                 self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        self._join_plan()  # the plan is read from here on (the KV write above needs none)
         meta = self.forward_metadata
+        if meta.plan is None:  # out-of-graph metadata that no in-graph call planned
+            meta = self.forward_metadata = replace(
+                meta, plan=self._plan(meta.cache_seqlens_int32, meta.q_tokens))
         plan = meta.plan
         heads = layer.tp_q_head_num
         query = decode_query(q, q_rope, plan.batch, plan.q_tokens_per_req, heads)

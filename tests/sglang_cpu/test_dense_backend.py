@@ -4,7 +4,10 @@ ReqToTokenPool and MLATokenToKVPool; only the three kernel calls are replaced, b
 own argument checks followed by the float32 reference (mla_backend.reference.mla_decode).
 What this checks: the page table, key lengths and query layout the backend hands the kernel
 (decode, target-verify, draft-extend v2, a graph replay with padded rows), the KV write, and
-that plan / workspace calls get the step's shapes. The kernels themselves: the gpu tiers."""
+that plan / workspace calls get the step's shapes; under CUDA graphs, where the plan is made
+(in-graph on the side stream, stood in for by SideLog, or by the step's first decode layer) and
+that each fork is joined once, before the first decode. The kernels themselves: the gpu tiers.
+"""
 
 from types import SimpleNamespace
 
@@ -33,6 +36,7 @@ class KernelCalls:
 
     def __init__(self):
         self.workspaces, self.plans, self.decodes, self.queries = [], [], [], []
+        self.log = []  # "plan" and "decode" in call order (SideLog adds its fork and joins)
 
     def decode_workspace(self, max_batch, max_q_tokens_per_req, num_heads, *, device,
                          kv_cache_dtype=None):
@@ -50,6 +54,7 @@ class KernelCalls:
             num_ctas=1, metadata=torch.zeros(batch + 2, dtype=torch.int32),
             partial_out=torch.empty(0), partial_lse=torch.empty(0))
         self.plans.append((seq_lens, s_q))
+        self.log.append("plan")
         return plan
 
     def mla_decode(self, q, kv_cache, block_table, seq_lens, plan, softmax_scale, causal=True,
@@ -58,9 +63,28 @@ class KernelCalls:
                                      kv_scale, None)
         self.decodes.append((block_table, seq_lens))
         self.queries.append(q)
+        self.log.append("decode")
         out, lse = reference.mla_decode(q, kv_cache, block_table, seq_lens, plan,
                                         softmax_scale, causal, kv_scale)
         return out.to((q[0] if isinstance(q, tuple) else q).dtype), lse
+
+
+class SideLog:
+    """Stands in for dense.SideStream (CPU has no streams): runs the block in place and logs
+    the fork, the block's end and each join (with the event it waits on) into calls.log."""
+
+    def __init__(self, log):
+        self.log, self.forks = log, 0
+
+    def run(self, fn):
+        self.log.append("fork")
+        result = fn()
+        self.log.append("fork end")
+        self.forks += 1
+        return result, f"event {self.forks}"
+
+    def join(self, done):
+        self.log.append(("join", done))
 
 
 @pytest.fixture
@@ -246,3 +270,160 @@ def test_idle_batch_runs_nothing(calls):
     (ForwardMode.SPLIT_PREFILL, False)])
 def test_which_modes_run_on_our_kernel(mode, ours):
     assert dense.on_decode_kernel(mode) is ours
+
+
+def _graph_backend(calls):
+    backend = _backend(calls)
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    assert backend._side is None  # no CUDA stream on CPU: in-graph plans on the stream
+    backend._side = SideLog(calls.log)
+    return backend
+
+
+def _two_layers(backend, fb, tokens):
+    q = _query(tokens)
+    return q, [backend.forward_decode(q, None, None, _layer(), fb, save_kv_cache=False)
+               for _ in range(2)]
+
+
+def test_graph_plan_in_graph_on_the_side_stream(calls):
+    """SGLang's decode graph runner: out-of-graph metadata once, then in-graph metadata and the
+    forward per run (two warmups and the capture); each run forks the plan, made from the
+    static key lengths, and its first decode layer (only) joins it before the kernel."""
+    backend = _graph_backend(calls)
+    fb = _batch(ForwardMode.DECODE, [1, 3, 0, 0], [190, 128, 1, 1], cpu=False)
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    # out of the graph: the key lengths and the page table, no plan
+    assert calls.plans == [] and backend.forward_metadata.plan is None
+    assert backend.forward_metadata.cache_seqlens_int32.tolist() == [190, 128, 1, 1]
+    for _ in range(3):  # two warmups and the capture
+        backend.init_forward_metadata_in_graph(fb)
+        lens, s_q = calls.plans[-1]
+        assert lens.data_ptr() == backend._graph_key_lens.data_ptr() and s_q == 1
+        assert backend.forward_metadata.plan is not None
+        q, (out, _) = _two_layers(backend, fb, 4)
+        _close(out[:2], _expected(backend, [1, 3], [190, 128], q[:2].view(2, 1, H, 576), 1))
+    step = ["fork", "plan", "fork end"]
+    assert calls.log == [*step, ("join", "event 1"), "decode", "decode",
+                         *step, ("join", "event 2"), "decode", "decode",
+                         *step, ("join", "event 3"), "decode", "decode"]
+
+
+def test_out_graph_alone_plans_at_the_first_decode_layer(calls):
+    """A caller that runs the out-of-graph metadata and then the forward, with no in-graph
+    call: the first decode layer plans this step's lengths (not the last in-graph plan's),
+    on the stream, once."""
+    backend = _graph_backend(calls)
+    first = _batch(ForwardMode.DECODE, [1, 3], [190, 128], cpu=False)
+    backend.init_forward_metadata_out_graph(first)
+    backend.init_forward_metadata_in_graph(first)
+    _two_layers(backend, first, 2)
+    calls.log.clear()
+    second = _batch(ForwardMode.DECODE, [3, 1], [70, 150], cpu=False)
+    backend.init_forward_metadata_out_graph(second)
+    assert backend.forward_metadata.plan is None
+    q, (out, _) = _two_layers(backend, second, 2)
+    assert calls.log == ["plan", "decode", "decode"]  # no fork, no join
+    assert calls.plans[-1][0].tolist() == [70, 150]
+    _close(out, _expected(backend, [3, 1], [70, 150], q.view(2, 1, H, 576), 1))
+
+
+def test_unjoined_fork_is_joined_before_the_next_metadata(calls):
+    """A fork that no decode layer joined (its forward ran none) is joined before the next
+    step's metadata rewrites the buffers it reads, out of the graph and eagerly; in-graph
+    metadata after eager metadata changes nothing."""
+    backend = _graph_backend(calls)
+    fb = _batch(ForwardMode.DECODE, [1, 3], [190, 128], cpu=False)
+    backend.init_forward_metadata_out_graph(fb)
+    backend.init_forward_metadata_in_graph(fb)
+    backend.init_forward_metadata_out_graph(fb)
+    assert calls.log == ["fork", "plan", "fork end", ("join", "event 1")]
+    backend.init_forward_metadata_in_graph(fb)
+    backend.init_forward_metadata(_batch(ForwardMode.DECODE, [1, 3], [191, 129]))
+    eager = backend.forward_metadata
+    backend.init_forward_metadata_in_graph(fb)
+    assert backend.forward_metadata is eager
+    _two_layers(backend, fb, 2)
+    assert calls.log[4:] == ["fork", "plan", "fork end", ("join", "event 2"), "plan",
+                             "decode", "decode"]
+    assert calls.decodes[-1][1].tolist() == [191, 129]
+
+
+def test_graph_idle_batch_forks_nothing(calls):
+    backend = _graph_backend(calls)
+    idle = _batch(ForwardMode.IDLE, [], [], cpu=False)
+    backend.init_forward_metadata_out_graph(idle)
+    backend.init_forward_metadata_in_graph(idle)
+    assert backend.forward_metadata is None and calls.log == []
+
+
+def test_two_batch_overlap_parent_forks_nothing(calls):
+    """A two-batch-overlap parent's attention runs on its children's backends: no fork that no
+    decode layer would join; a layer that runs on the parent after all plans for itself."""
+    backend = _graph_backend(calls)
+    fb = _batch(ForwardMode.DECODE, [1, 3], [190, 128], cpu=False)
+    fb.tbo_children = [SimpleNamespace(), SimpleNamespace()]
+    backend.init_forward_metadata_out_graph(fb)
+    backend.init_forward_metadata_in_graph(fb)
+    assert calls.log == [] and backend.forward_metadata.plan is None
+    _two_layers(backend, fb, 2)
+    assert calls.log == ["plan", "decode", "decode"]
+
+
+def test_breakable_graph_plans_out_of_the_graph(calls, monkeypatch):
+    """SGLang's breakable graphs run attention eagerly between captured segments, reading the
+    metadata of the replay: the out-of-graph call plans and the in-graph call adds nothing."""
+    backend = _graph_backend(calls)
+    monkeypatch.setattr(dense, "is_in_breakable_cuda_graph", lambda: True)
+    fb = _batch(ForwardMode.TARGET_VERIFY, [1, 3], [125, 61], cpu=False)
+    backend.num_draft_tokens = 3
+    backend.init_forward_metadata_out_graph(fb)
+    assert calls.log == ["plan"] and calls.plans[-1][1] == 3
+    assert calls.plans[-1][0].data_ptr() == backend._graph_key_lens.data_ptr()
+    backend.init_forward_metadata_in_graph(fb)
+    assert calls.log == ["plan"]
+
+
+def test_side_stream_forks_after_the_stream_and_joins_on_its_event(monkeypatch):
+    """dense.SideStream against a stand-in torch.cuda that logs the calls: the side stream
+    waits for the current one, the block runs on the side stream, then its event is recorded
+    there; join waits on that event from the current stream."""
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits for {other.name}")
+
+        def wait_event(self, event):
+            log.append(f"{self.name} waits on {event.name}")
+
+    class Event:
+        name = "event"
+
+        def record(self, stream):
+            log.append(f"event recorded on {stream.name}")
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            log.append(f"enter {self.stream.name}")
+
+        def __exit__(self, *exc):
+            log.append(f"exit {self.stream.name}")
+
+    main = Stream("main")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    side = dense.SideStream("cuda")
+    result, done = side.run(lambda: log.append("block") or "plan")
+    side.join(done)
+    assert result == "plan" and log == [
+        "side waits for main", "enter side", "block", "event recorded on side", "exit side",
+        "main waits on event"]
