@@ -119,10 +119,11 @@ def _parse(argv):
     p.add_argument("--log-interval", type=int, default=None,
                    help="sglang: decode steps per step-time record (default 16)")
     p.add_argument("--gpu-busy", action="store_true",
-                   help="vllm: time the GPU's busy µs per decode step (torch's profiler over "
-                        "the same steps: kernels, copies and memsets, overlaps once; the "
-                        "engine core in the engine's process) instead of the wall time; the "
-                        "wall times go to the row's notes")
+                   help="time the GPU's busy µs per decode step (torch's profiler over the "
+                        "timed steps: kernels, copies and memsets, overlaps once; vllm: the "
+                        "engine core in the engine's process; sglang: SGLang's own profiler in "
+                        "its scheduler, steps - 2 decode steps a call) instead of the wall "
+                        "time; the wall times go to the row's wall_us_rounds")
     p.add_argument("--out", default=None, help="results file or directory")
     p.add_argument("--logs", default=None, help="directory for the engines' logs")
     args = p.parse_args(argv)
@@ -149,8 +150,6 @@ def _parse(argv):
     args.rounds = e2e_spread.DEFAULT_ROUNDS if args.rounds is None else args.rounds
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: must be 1 or more")
-    if args.gpu_busy and args.engine != "vllm":
-        p.error("--gpu-busy: only with --engine vllm")
     if args.engine == "vllm":
         if args.log_interval is not None:
             p.error(f"--log-interval {args.log_interval}: only with --engine sglang")
@@ -181,15 +180,11 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow
     vllm_version = _vllm_version()
     skipped: dict[str, str] = {}
     tokens_per_s: dict[str, list[float]] = {}
-    wall_us: dict[str, list[float]] = {}
+    walls = e2e_spread.WallTimes(heads)
 
     def seen(key: str, t: dict) -> None:
         tokens_per_s.setdefault(key, []).append(t["decode_tokens_per_s"])
-        wall_us.setdefault(key, []).extend(t["step_us_all"])
-        if t.get("gpu_top_us_per_step"):
-            common.log(f"H={heads} {key}: {t['gpu_kernels_per_step'][-1]:.0f} kernels per step;"
-                       " GPU us per step by kernel: " + "; ".join(
-                           f"{us:.1f} {name}" for name, us in t["gpu_top_us_per_step"]))
+        walls.seen(key, t)
 
     def timer(key: str, spec: dict):
         return e2e_spread.engine_timer(
@@ -212,9 +207,7 @@ def _vllm_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow
     row.notes["ours"] = "tokens/s " + ", ".join(
         f"{k} {statistics.median(v):.0f}" for k, v in tokens_per_s.items() if k in row.us)
     if args.gpu_busy:
-        row.wall_us_rounds = {k: v for k, v in wall_us.items() if k in row.us}
-        row.notes["timed"] = "us: the GPU's busy us per decode step; wall us per step: " + (
-            ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in row.wall_us_rounds.items()))
+        walls.keep(row)
     return row
 
 
@@ -273,7 +266,7 @@ def main(argv=None) -> int:
             rows.append(e2e_sglang.time_row(args, model, config, logs))
         # after every row: a run cut short still leaves what it measured
         timed = ("the GPU's busy time per decode step (torch profiler: the union of kernels, "
-                 "copies and memsets); wall_us_rounds: the wall time per step of the same calls"
+                 "copies and memsets); wall_us_rounds: the wall times per step of the same calls"
                  if args.gpu_busy else "the wall time per decode step" if args.engine == "vllm"
                  else "SGLang's decode step-time records")
         common.write_results(path, job="e2e_decode", gpu=gpu, date=date, commit=commit,

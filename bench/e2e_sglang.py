@@ -16,7 +16,11 @@ less the first (that interval spans the idle time and the prefill of the uncache
 A step is everything the engine does for one decode step of the batch: the forward of
 `layers` layers (attention, MLP, MoE) in the graph, the step's attention metadata, sampling,
 and the scheduler's work between steps where it is not overlapped. Not timed: engine start,
-graph capture, every prefill, the client's side.
+graph capture, every prefill, the client's side. With --gpu-busy the row is the GPU's busy
+time per decode step instead: SGLang's own profiler (torch's, in the scheduler process, GPU
+activity only) over steps - 2 decode steps of each timed call, the union of its kernels,
+copies and memsets over the steps (mla_backend.demo.sglang_run.start_decode_profile); the
+step records' wall times stay beside it.
 
 Engines interleaved: `rounds` engine processes per backend, started in turn (round r starts
 with backend r mod n, bench.common.round_orders), each timing `repeats` calls. A backend's
@@ -53,7 +57,7 @@ def backend_names(arch: str, kv_cache_dtype: str) -> dict[str, str]:
 
 def engine_spec(model: str, backend: str, *, batch: int, context: int, steps: int,
                 repeats: int, log_interval: int, arch: str = "v3",
-                kv_cache_dtype: str = "auto") -> dict:
+                kv_cache_dtype: str = "auto", gpu_busy: bool = False) -> dict:
     """sglang_run's spec for one timing engine (no compared prompts)."""
     if arch not in ("v3", "v32"):
         raise ValueError(f"arch {arch!r}: not v3 or v32")
@@ -68,7 +72,7 @@ def engine_spec(model: str, backend: str, *, batch: int, context: int, steps: in
             "context_length": context + steps + 64, "chunked_prefill_size": 8192,
             "max_running_requests": batch, "mem_fraction_static": 0.6,
             "timing": {"prompt_len": context - steps - 1, "batch": batch, "steps": steps,
-                       "repeats": repeats, "log_interval": log_interval}}
+                       "repeats": repeats, "log_interval": log_interval, "gpu_busy": gpu_busy}}
     if arch == "v3":
         # prefill (not timed) on FlashInfer's paged MLA kernel only: one JIT build
         spec.update(backend=BACKENDS[backend], kv_cache_dtype=kv_cache_dtype,
@@ -87,16 +91,22 @@ def time_row(args, model: str, config: dict, logs: str) -> e2e_spread.SpreadRow:
     heads = config["H"]
     names = backend_names(args.arch, args.kv_cache_dtype)
 
+    walls = e2e_spread.WallTimes(heads)
+
     def timer(key: str):
         spec = engine_spec(model, key, batch=args.batch, context=args.context,
                            steps=args.steps, repeats=args.repeats,
                            log_interval=args.log_interval, arch=args.arch,
-                           kv_cache_dtype=args.kv_cache_dtype)
+                           kv_cache_dtype=args.kv_cache_dtype, gpu_busy=args.gpu_busy)
         return e2e_spread.engine_timer(
             lambda log_path, label: sglang_run.run(spec, log_path, timeout_s=900, label=label),
-            f"H={heads} {names[key]}", f"sglang-h{heads}-{key}", logs)
+            f"H={heads} {names[key]}", f"sglang-h{heads}-{key}", logs,
+            lambda t: walls.seen(key, t), "gpu_busy_us_all" if args.gpu_busy else "step_us_all")
 
     skipped: dict[str, str] = {}
     failed = e2e_spread.failure_recorder(skipped)
     timings = common.time_in_rounds({k: timer(k) for k in args.backends}, args.rounds, failed)
-    return e2e_spread.assemble_row(config, timings, skipped)
+    row = e2e_spread.assemble_row(config, timings, skipped)
+    if args.gpu_busy:
+        walls.keep(row)
+    return row

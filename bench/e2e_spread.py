@@ -105,6 +105,29 @@ def engine_timer(start: Callable[[str, str], dict], label: str, log_stem: str, l
     return one_engine
 
 
+class WallTimes:
+    """Under --gpu-busy: each backend's wall times per step, kept beside the GPU busy times the
+    row is made of, and each engine's kernels by GPU time, logged."""
+
+    def __init__(self, heads: int) -> None:
+        self.heads = heads
+        self.us: dict[str, list[float]] = {}
+
+    def seen(self, key: str, t: dict) -> None:
+        """engine_timer's on_timing for backend `key`."""
+        self.us.setdefault(key, []).extend(t["step_us_all"])
+        if t.get("gpu_top_us_per_step"):
+            common.log(f"H={self.heads} {key}: {t['gpu_kernels_per_step'][-1]:.0f} kernels per "
+                       "step; GPU us per step by kernel: " + "; ".join(
+                           f"{us:.1f} {name}" for name, us in t["gpu_top_us_per_step"]))
+
+    def keep(self, row: SpreadRow) -> None:
+        """The wall times of the backends in the row, into it."""
+        row.wall_us_rounds = {k: v for k, v in self.us.items() if k in row.us}
+        row.notes["timed"] = "us: the GPU's busy us per decode step; wall us per step: " + (
+            ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in row.wall_us_rounds.items()))
+
+
 def failure_recorder(skipped: dict[str, str]) -> Callable[[str, Exception], None]:
     """common.time_in_rounds' `failed`: why a backend stopped, into `skipped`, and logged."""
     def failed(key: str, e: Exception) -> None:

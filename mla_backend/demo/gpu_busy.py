@@ -10,6 +10,7 @@ host) not at all. Kernels replayed from CUDA graphs are recorded like any other.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -45,6 +46,20 @@ def gpu_spans(trace: dict) -> tuple[list[tuple[float, float]], int, dict[str, fl
     return spans, kernels, by_name
 
 
+def read_trace(path: str) -> tuple[float, int, dict[str, float]]:
+    """A chrome trace file's (.json or .json.gz) GPU busy µs, kernel count and µs by name."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        spans, kernels, by_name = gpu_spans(json.load(f))
+    return union_us(spans), kernels, by_name
+
+
+def top_names(by_name: dict[str, float], n: int, per: float = 1.0) -> list[list]:
+    """The n activity names with the most µs, as [name, µs / per], most first."""
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:n]
+    return [[name[:120], round(us / per, 2)] for name, us in ranked]
+
+
 class GpuBusy:
     """start() ... stop(): the GPU's busy µs and kernel count in between (on every device the
     process drives; the engine runs in this process)."""
@@ -57,8 +72,7 @@ class GpuBusy:
 
     def top(self, n: int, per: float = 1.0) -> list[list]:
         """The n activity names with the most µs, as [name, µs / per], most first."""
-        ranked = sorted(self.by_name.items(), key=lambda kv: -kv[1])[:n]
-        return [[name[:120], round(us / per, 2)] for name, us in ranked]
+        return top_names(self.by_name, n, per)
 
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -74,7 +88,5 @@ class GpuBusy:
         with tempfile.TemporaryDirectory(prefix="gpu_busy_") as tmp:
             path = os.path.join(tmp, "trace.json")
             self._prof.export_chrome_trace(path)
-            with open(path) as f:
-                spans, self.kernels, self.by_name = gpu_spans(json.load(f))
+            self.busy_us, self.kernels, self.by_name = read_trace(path)
         self._prof = None
-        self.busy_us = union_us(spans)

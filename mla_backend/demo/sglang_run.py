@@ -9,7 +9,7 @@ backend (attention backend name), graphs (bool: decode CUDA graphs), kv_cache_dt
 the largest decode graph), mem_fraction_static (default: SGLang's), prompts (token-id lists),
 max_new_tokens, logprobs (top-k per position); optional: engine_args (more sgl.Engine
 arguments), env (variables added to the child's environment), timing {prompt_len, batch,
-steps, repeats, log_interval}: decode-step time (see _time_decode). `run(spec, log_path)`
+steps, repeats, log_interval, gpu_busy}: decode-step time (see _time_decode). `run(spec, log_path)`
 starts this module in a child process (the Engine spawns its scheduler; one engine per
 process frees the GPU on exit).
 """
@@ -20,9 +20,10 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
-from . import engines
+from . import engines, gpu_busy
 
 # SGLang's scheduler records decode-step times only with this set (read when it starts)
 STEP_TIME_ENV = {"SGLANG_RECORD_STEP_TIME": "1"}
@@ -90,11 +91,44 @@ def repeat_step_s(before: dict, after: dict, batch: int) -> float:
     return statistics.median(new[1:])
 
 
+def start_decode_profile(engine, out_dir: str, profile_id: str, steps: int) -> int:
+    """SGLang's own profiler (torch's, in the scheduler process) over the next `steps` - 2
+    decode batches, GPU activity only: it starts at the first decode batch and stops by
+    itself at the one after the last, inside a timed call of `steps` decode steps (2 spare,
+    so the stop comes within the call). Returns the number of steps it records."""
+    n = steps - 2
+    if n < 1:
+        raise ValueError(f"steps {steps}: the GPU busy timing needs 3 or more")
+    engine.start_profile(output_dir=out_dir, num_steps=n, activities=["GPU"],
+                         profile_by_stage=True, profile_stages=["decode"],
+                         profile_id=profile_id, with_stack=False, record_shapes=False)
+    return n
+
+
+def decode_trace(engine, out_dir: str, profile_id: str) -> str:
+    """The decode trace start_decode_profile's profile wrote (SGLang names it after the id,
+    the rank and the stage); a profile that did not stop by itself is stopped and is an
+    error."""
+    names = [f for f in sorted(os.listdir(out_dir))
+             if f.startswith(profile_id) and "decode" in f.lower() and ".trace.json" in f]
+    if not names:
+        try:
+            engine.stop_profile()
+        except Exception:  # not in progress: nothing to stop
+            pass
+        raise RuntimeError(f"no decode trace of profile {profile_id} in {out_dir} "
+                           f"({sorted(os.listdir(out_dir))}): the profile did not stop within "
+                           "the timed call")
+    return os.path.join(out_dir, names[0])
+
+
 def _time_decode(engine, model: str, timing: dict) -> dict:
     """Decode-step time of `batch` requests whose `prompt_len`-token prompts are in SGLang's
     radix cache (a first generate puts them there and warms up), each timed call generating
     1 + `steps` tokens (the first from the prefill of the uncached tail): SGLang's own
-    per-step records (repeat_step_s), median of `repeats` calls. Prefill is not in it."""
+    per-step records (repeat_step_s), median of `repeats` calls. Prefill is not in it.
+    With timing["gpu_busy"], also the GPU's busy µs per decode step of each call
+    (start_decode_profile; gpu_busy.read_trace: the union of kernels, copies and memsets)."""
     import torch
 
     with open(os.path.join(model, "config.json")) as f:
@@ -105,12 +139,24 @@ def _time_decode(engine, model: str, timing: dict) -> dict:
     params = {"max_new_tokens": 1 + timing.get("steps", 64), "temperature": 0.0,
               "ignore_eos": True}
     engine.generate(input_ids=prompts, sampling_params=params)
-    step_s = []
-    for _ in range(timing.get("repeats", 3)):
-        before = step_times(engine)
-        engine.generate(input_ids=prompts, sampling_params=params)
-        step_s.append(repeat_step_s(before, step_times(engine), timing["batch"]))
-    return engines.step_timing(step_s, timing)
+    step_s, busy = [], []
+    with tempfile.TemporaryDirectory(prefix="sglang_busy_") as traces:
+        for r in range(timing.get("repeats", 3)):
+            before = step_times(engine)
+            if timing.get("gpu_busy"):
+                n = start_decode_profile(engine, traces, f"busy{r}", timing.get("steps", 64))
+            engine.generate(input_ids=prompts, sampling_params=params)
+            step_s.append(repeat_step_s(before, step_times(engine), timing["batch"]))
+            if timing.get("gpu_busy"):
+                us, kernels, by_name = gpu_busy.read_trace(decode_trace(engine, traces,
+                                                                        f"busy{r}"))
+                busy.append((us / n, kernels / n, gpu_busy.top_names(by_name, 16, n)))
+    result = engines.step_timing(step_s, timing)
+    if busy:
+        result["gpu_busy_us_all"] = [b[0] for b in busy]
+        result["gpu_kernels_per_step"] = [b[1] for b in busy]
+        result["gpu_top_us_per_step"] = busy[-1][2]  # the last call's
+    return result
 
 
 def main(argv: list[str]) -> int:

@@ -64,7 +64,6 @@ def test_sglang_arguments_and_defaults():
     (["--arch", "v32", "--context", "2176"],
      "--context 2176 --steps 128: with --arch v32 the prompts (context - steps - 1 tokens) "
      "must be longer than index_topk 2048"),
-    (["--engine", "sglang", "--gpu-busy"], "--gpu-busy: only with --engine vllm"),
 ])
 def test_bad_arguments_are_named(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -79,8 +78,11 @@ def test_sglang_engine_spec():
     assert spec["graphs"] and spec["max_running_requests"] == 64
     assert spec["context_length"] == 8192 + 128 + 64
     assert spec["timing"] == {"prompt_len": 8192 - 128 - 1, "batch": 64, "steps": 128,
-                              "repeats": 5, "log_interval": 16}
+                              "repeats": 5, "log_interval": 16, "gpu_busy": False}
     assert "prompts" not in spec  # timing only
+    busy = e2e_sglang.engine_spec("/m", "ours", batch=64, context=8192, steps=128, repeats=5,
+                                  log_interval=16, gpu_busy=True)
+    assert busy["timing"]["gpu_busy"] is True
 
 
 def test_rows_take_the_median_of_every_call_and_its_spread():
@@ -231,6 +233,7 @@ def test_sglang_v32_engine_specs(cache, kernel):
     (["--arch", "v32", "--engine", "sglang", "--kv-cache-dtype", "fp8_e4m3"],
      "e2e_decode_sglang_v32_fp8_e4m3"),
     (["--gpu-busy"], "e2e_decode_gpu_busy"),
+    (["--engine", "sglang", "--gpu-busy"], "e2e_decode_sglang_gpu_busy"),
 ])
 def test_results_file_names_keep_engines_models_and_caches_apart(argv, job):
     assert e2e_decode.results_job(e2e_decode._parse(argv)) == job
@@ -395,3 +398,30 @@ def test_a_timing_without_gpu_busy_fails_that_backend(monkeypatch, tmp_path):
                             "--gpu-busy", "--out", str(out), "--logs", str(tmp_path)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["us"] == {} and "no gpu_busy_us_all" in row["skipped"]["ours"]
+
+
+def test_sglang_bench_gpu_busy_times_the_gpu_and_keeps_the_wall_times(monkeypatch, tmp_path):
+    specs = []
+
+    def fake_run(spec, log_path, timeout_s=600, *, label="", progress=False):
+        specs.append(spec)
+        ours = spec["backend"] == "mla_backend"
+        wall = [(2600.0 if ours else 2700.0) + i for i in range(spec["timing"]["repeats"])]
+        gpu = [(2400.0 if ours else 2450.0) + i for i in range(spec["timing"]["repeats"])]
+        return {"engine_start_s": 30.0,
+                "timing": {"step_us": wall[0], "decode_tokens_per_s": 64e6 / wall[0],
+                           "step_us_all": wall, "gpu_busy_us_all": gpu,
+                           "gpu_kernels_per_step": [99.0], "gpu_top_us_per_step": [["k", 1.0]]}}
+
+    monkeypatch.setattr(sglang_run, "run", fake_run)
+    _fake_gpu(monkeypatch)
+    out = tmp_path / "r.json"
+    assert e2e_decode.main(["--engine", "sglang", "--heads", "16", "--backends", "ours",
+                            "flashinfer", "--rounds", "1", "--repeats", "2", "--gpu-busy",
+                            "--out", str(out), "--logs", str(tmp_path)]) == 0
+    assert [s["timing"]["gpu_busy"] for s in specs] == [True, True]
+    doc = json.loads(out.read_text())
+    assert doc["timed"].startswith("the GPU's busy time per decode step")
+    (row,) = doc["rows"]
+    assert row["us_rounds"] == {"ours": [2400.0, 2401.0], "flashinfer": [2450.0, 2451.0]}
+    assert row["wall_us_rounds"] == {"ours": [2600.0, 2601.0], "flashinfer": [2700.0, 2701.0]}

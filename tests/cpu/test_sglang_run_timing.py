@@ -3,6 +3,7 @@ records (which records a timed call counts), the outputs' form, the child's envi
 the child's whole run against a stand-in engine that keeps step records as SGLang's scheduler
 does."""
 
+import gzip
 import json
 import sys
 import types
@@ -133,3 +134,77 @@ def test_the_runner_times_decode_steps_not_prefill(monkeypatch, tmp_path):
     assert out["timing"]["step_us_all"] == pytest.approx([4000.0] * 3)
     assert out["timing"]["decode_tokens_per_s"] == pytest.approx(64 / 0.004)
     assert "prompts" not in out["spec"] and out["spec"]["backend"] == "mla_backend"
+
+
+class _ProfilingScheduler(_Scheduler):
+    """_Scheduler with SGLang's profiler calls: a started profile writes, during the next
+    generate, a decode trace of its num_steps steps (each one 100 µs kernel, a 30 µs kernel
+    inside it and a 5 µs copy after it) named as SGLang names it; `writes` False: it never
+    stops by itself."""
+
+    def __init__(self, step_s, writes=True, **kwargs):
+        super().__init__(step_s, **kwargs)
+        self.writes, self.profiles, self.stopped, self.pending = writes, [], 0, None
+
+    def start_profile(self, **kw):
+        self.profiles.append(kw)
+        self.pending = kw
+
+    def stop_profile(self):
+        self.stopped += 1
+        self.pending = None
+
+    def generate(self, input_ids, sampling_params, **kw):
+        out = super().generate(input_ids, sampling_params, **kw)
+        if self.pending and self.writes:
+            p, self.pending, events = self.pending, None, []
+            for i in range(p["num_steps"]):
+                t = 1000.0 * i
+                events += [{"ph": "X", "cat": "kernel", "name": "attn", "ts": t, "dur": 100.0},
+                           {"ph": "X", "cat": "kernel", "name": "norm", "ts": t + 10, "dur": 30.0},
+                           {"ph": "X", "cat": "gpu_memcpy", "name": "HtoD", "ts": t + 100,
+                            "dur": 5.0}]
+            path = f"{p['output_dir']}/{p['profile_id']}-TP-0-DECODE.trace.json.gz"
+            with gzip.open(path, "wt") as f:
+                json.dump({"traceEvents": events}, f)
+        return out
+
+
+def _timed_run(monkeypatch, tmp_path, **scheduler_kw):
+    made = []
+
+    def make_engine(**kwargs):
+        made.append(_ProfilingScheduler({64: 0.004}, **scheduler_kw, **kwargs))
+        return made[-1]
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=make_engine))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    spec = {"model": str(model), "backend": "mla_backend", "max_running_requests": 64,
+            "timing": {"prompt_len": 10, "batch": 64, "steps": 48, "repeats": 2,
+                       "log_interval": 16, "gpu_busy": True}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    assert sglang_run.main([str(tmp_path / "spec.json"), str(tmp_path / "out.json")]) == 0
+    return made[0], json.loads((tmp_path / "out.json").read_text())
+
+
+def test_gpu_busy_reads_sglangs_decode_trace_of_each_timed_call(monkeypatch, tmp_path):
+    engine, out = _timed_run(monkeypatch, tmp_path)
+    # one profile per timed call, decode only, GPU only, stopping by itself 2 steps early
+    assert [p["profile_id"] for p in engine.profiles] == ["busy0", "busy1"]
+    for p in engine.profiles:
+        assert (p["num_steps"], p["activities"], p["profile_by_stage"], p["profile_stages"]) == (
+            46, ["GPU"], True, ["decode"])
+    assert engine.stopped == 0
+    timing = out["timing"]
+    assert timing["gpu_busy_us_all"] == pytest.approx([105.0, 105.0])  # 100 + 5, norm inside
+    assert timing["gpu_kernels_per_step"] == pytest.approx([2.0, 2.0])
+    assert timing["gpu_top_us_per_step"] == [["attn", 100.0], ["norm", 30.0], ["HtoD", 5.0]]
+    assert timing["step_us_all"] == pytest.approx([4000.0] * 2)  # the wall records as before
+
+
+def test_gpu_busy_profile_that_never_stopped_is_stopped_and_an_error(monkeypatch, tmp_path):
+    engine, out = _timed_run(monkeypatch, tmp_path, writes=False)
+    assert engine.stopped == 1 and "timing" not in out
+    assert "no decode trace of profile busy0" in out["timing_error"]
