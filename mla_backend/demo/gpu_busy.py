@@ -34,7 +34,9 @@ def union_us(spans: list[tuple[float, float]]) -> float:
 
 def gpu_spans(trace: dict) -> tuple[list[tuple[float, float]], int, dict[str, float]]:
     """The GPU activity spans (µs) of a chrome trace as torch's profiler exports it, how many
-    of them are kernels, and the µs of each activity name (summed)."""
+    of them are kernels, and the µs of each activity name (summed). A kernel launched early by
+    programmatic dependent launch counts its wait for the kernel before it in its own µs (the
+    union counts that time once)."""
     spans, kernels, by_name = [], 0, {}
     for ev in trace.get("traceEvents", []):
         if ev.get("ph") == "X" and ev.get("cat") in GPU_CATEGORIES:
