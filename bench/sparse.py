@@ -1,5 +1,6 @@
-"""Sparse (DSA) attention side by side: ours vs FlashMLA as vLLM 0.25 ships it, one process,
-same inputs. Two jobs share this module (entry points bench/sparse_decode.py and
+"""Sparse (DSA) attention side by side: ours vs FlashMLA as vLLM 0.25 ships it (`flashmla`)
+and as SGLang 0.5.17 ships it in sgl-kernel (`flashmla_sgl`, where sgl_kernel imports), one
+process, same inputs. Two jobs share this module (entry points bench/sparse_decode.py and
 bench/sparse_prefill.py); inputs in bench/sparse_inputs.py, the kernels in bench/peers/:
 
 decode   q [B, s_q, H, 576] bf16; fp8_ds_mla cache (656 B/token; --cache bf16 for the bf16
@@ -10,9 +11,12 @@ decode   q [B, s_q, H, 576] bf16; fp8_ds_mla cache (656 B/token; --cache bf16 fo
          runs inside the timed call) for fp8, flash_mla_sparse_fwd over the cache viewed as
          rows for bf16 (what vLLM's FLASHMLA_SPARSE does for a bf16 cache); heads padded to
          64 / 128 as vLLM pads them (the padded q is prepared outside the timed call).
+         flashmla_sgl: SGLang's `dsa` calls (bench/peers/flashmla_sgl.py): fp8 through
+         get_mla_metadata(lengths) + flash_mla_with_kvcache, in the timed call; bf16 through
+         flash_mla_sparse_fwd.
          Ours: plan_sparse_decode + sparse_mla_decode (the plan is in the timed call).
 prefill  q [T, H, 576] bf16 against a flat bf16 kv [s_kv, 576], indices [T, topk] random in
-         [0, s_kv). FlashMLA: flash_mla_sparse_fwd (heads padded to 64 / 128). Ours:
+         [0, s_kv). FlashMLA (both builds): flash_mla_sparse_fwd (heads padded to 64 / 128). Ours:
          sparse_mla_prefill with a plan made once per shape (outside the timed call).
 FLASH_ATTN_MLA_SPARSE is not included (no standalone entry point in the kit).
 
@@ -35,12 +39,13 @@ import torch
 
 from bench import common
 from bench.common import BenchRow, Kernel, log
-from bench.peers import flashmla, ours
+from bench.peers import flashmla, flashmla_sgl, ours
 from bench.sparse_inputs import D_QK, D_V, Case, make_decode_case, make_prefill_case, reference_out
 
 REL_L2_TOL = 1e-2
 OURS = "ours"
-BUILDERS = {OURS: ours.build_sparse, "flashmla": flashmla.build_sparse}
+BUILDERS = {OURS: ours.build_sparse, "flashmla": flashmla.build_sparse,
+            "flashmla_sgl": flashmla_sgl.build_sparse}
 
 
 def bench_case(c: Case, kernels, args, copy_bw) -> BenchRow:
@@ -56,7 +61,7 @@ def bench_case(c: Case, kernels, args, copy_bw) -> BenchRow:
 
     def failed(name: str, e: Exception) -> None:
         row.skipped[name] = common.short_error(e)
-        log(f"    {name:9s} FAILED: {row.skipped[name]}")
+        log(f"    {name:12s} FAILED: {row.skipped[name]}")
         if args.verbose:
             traceback.print_exc()
         if not common.cuda_alive():
@@ -69,7 +74,7 @@ def bench_case(c: Case, kernels, args, copy_bw) -> BenchRow:
             built[name] = k
         except common.NotApplicable as e:
             row.skipped[name] = str(e)
-            log(f"    {name:9s} skipped: {e}")
+            log(f"    {name:12s} skipped: {e}")
         except Exception as e:  # noqa: BLE001 - reported in the row
             failed(name, e)
     timers = {name: (lambda k=k: common.time_graph(k.step, c.nsets, budget_ms=args.budget_ms))
@@ -77,7 +82,7 @@ def bench_case(c: Case, kernels, args, copy_bw) -> BenchRow:
     for name, timings in common.time_in_rounds(timers, args.rounds, failed).items():
         us_list = [t.us for t in timings]
         us, err = statistics.median(us_list), errors[name]
-        line = (f"    {name:9s} {us:9.1f} us  [rel L2 {err:.1e}; {c.nsets} sets; rounds "
+        line = (f"    {name:12s} {us:9.1f} us  [rel L2 {err:.1e}; {c.nsets} sets; rounds "
                 + " ".join(f"{v:.1f}" for v in us_list) + "]")
         row.us_rounds[name] = us_list
         if err < REL_L2_TOL:

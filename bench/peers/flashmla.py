@@ -106,7 +106,7 @@ def build_dense_fp8(x: Inputs, args: argparse.Namespace) -> Kernel:
                   step_premeta=lambda i: call(i, meta_once), want=want, tol=tol)
 
 
-def _pad_heads(q: torch.Tensor, heads_dim: int) -> torch.Tensor:
+def pad_heads(q: torch.Tensor, heads_dim: int) -> torch.Tensor:
     """Zero-pad the heads to 64 or 128, as vLLM's FlashMLA sparse backend does."""
     H = q.shape[heads_dim]
     target = 64 if H <= 64 else 128
@@ -130,7 +130,7 @@ def build_sparse(c: Case) -> Kernel:
     if not ok:
         raise NotApplicable(f"FlashMLA sparse unavailable: {why}")
     if c.job == "decode" and c.kv.dtype == torch.uint8:
-        qs = [_pad_heads(q, 2) for q in c.qs]
+        qs = [pad_heads(q, 2) for q in c.qs]
         k_cache = c.kv.unsqueeze(-2)
         dummy_table = torch.zeros(c.batch, 1, dtype=torch.int32, device="cuda")
         seqlens = torch.ones(c.batch, dtype=torch.int32, device="cuda")
@@ -142,7 +142,7 @@ def build_sparse(c: Case) -> Kernel:
                 causal=False, is_fp8_kvcache=True, indices=c.idx[i])[0][..., :c.H, :]
     else:
         kv = c.kv.reshape(-1, 1, D_QK)
-        qs = [_pad_heads(q.reshape(-1, c.H, D_QK), 1) for q in c.qs]
+        qs = [pad_heads(q.reshape(-1, c.H, D_QK), 1) for q in c.qs]
         idx = [i.reshape(-1, 1, c.topk) for i in c.idx]
 
         def step(i):

@@ -153,3 +153,18 @@ def test_write_results_puts_a_bench_s_extra_keys_before_the_rows(tmp_path):
     doc = json.loads(path.read_text())
     assert list(doc) == ["job", "gpu", "date", "commit", "copy_bandwidth_gbs",
                          "layers_per_step", "rows"]
+
+
+def test_sgl_kernel_flashmla_peer_is_skipped_where_sgl_kernel_does_not_import(monkeypatch):
+    import sys
+
+    import torch
+
+    from bench.peers import flashmla_sgl
+    from bench.sparse_inputs import Case
+
+    monkeypatch.setitem(sys.modules, "sgl_kernel", None)  # import fails as where it is absent
+    c = Case("decode", 16, 1, 1, 1, 4, torch.zeros(1, 64, 656, dtype=torch.uint8),
+             [torch.zeros(1, 1, 16, 576)], [torch.zeros(1, 1, 4, dtype=torch.int32)], 0.04)
+    with pytest.raises(common.NotApplicable, match="sgl-kernel's FlashMLA is not importable"):
+        flashmla_sgl.build_sparse(c)
