@@ -39,6 +39,35 @@ inline void launch_pdl_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block
   MLA_CHECK_CUDA(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// Whether every cluster of cluster_y CTAs of `kernel` (block, smem) fits on the current GPU at
+// once (cudaOccupancyMaxActiveClusters, asked once per device; `clusters` the launch's count).
+// A cluster takes SMs of one GPC, and GPCs may hold odd SM counts: a grid of one CTA per SM
+// launched as clusters can leave a cluster for a second wave.
+template <typename... KArgs>
+inline bool clusters_fit_at_once(void (*kernel)(KArgs...), dim3 block, size_t smem, int cluster_y, int clusters) {
+  static int max_active[64] = {};  // per device ordinal; 0: not asked yet (benign race: same value)
+  int dev = 0;
+  MLA_CHECK_CUDA(cudaGetDevice(&dev));
+  if (dev >= 64) return false;
+  if (max_active[dev] == 0) {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 1;
+    attr.val.clusterDim.y = cluster_y;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1, cluster_y);
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    MLA_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+    max_active[dev] = n > 0 ? n : -1;
+  }
+  return clusters <= max_active[dev];
+}
+
 template <typename... KArgs, typename... Args>
 inline void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {

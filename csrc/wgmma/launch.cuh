@@ -28,11 +28,20 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   if constexpr (kDenseQTmaOf<kSrc>) {  // otherwise the kernel copies Q with cp.async (dense_q_by_tma)
     if (dense_q_by_tma(p)) q_maps = make_dense_q_maps(p, std::is_same_v<T, __nv_bfloat16>);
   }
-  // bf16 sparse with two row tiles: the tiles of a query group run as a 2-CTA cluster
-  // although they share nothing, so the two CTAs that gather the same keys at about the same
-  // time sit in one GPC (H = 128 -2 to -5%)
-  const bool co_place = kSrc == KeySource::kSparse16 && m_tiles == 2;
-  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, kPaired || co_place ? 2 : 1, p, kv_map,
+  // Two row tiles that read the same keys run as a 2-CTA cluster, so that the two CTAs that
+  // load a page at about the same time sit in one GPC: the dense 16-bit cache (H s_q = 128:
+  // -5 to -19% per layer on three H100s, most on the one that ran the uncoupled pair slowest)
+  // where every cluster fits at once, and the bf16 sparse kernel (H = 128: -2 to -5%, although
+  // its tiles share no work). Clusters of 4 or 8 row tiles left CTAs for a second wave.
+  int cluster = 1;
+  if constexpr (kPaired) cluster = 2;
+  if constexpr (kSrc == KeySource::kSparse16) {
+    if (m_tiles == 2) cluster = 2;
+  }
+  if constexpr (kSrc == KeySource::kPagedTma) {
+    if (m_tiles == 2 && clusters_fit_at_once(kernel, dim3(kThreadsOf<kSrc>), kSmem, 2, p.num_ctas)) cluster = 2;
+  }
+  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, cluster, p, kv_map,
                        q_maps);
   if (combine) splitkv::launch_combine<T, PartialOf<T, kSrc>>(p, stream);
 }
