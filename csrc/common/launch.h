@@ -18,33 +18,34 @@ namespace mla_backend {
 // Programmatic dependent launch (sm_90): a kernel launched this way may start while the
 // previous kernel in the stream finishes; it must call cudaGridDependencySynchronize() before
 // touching anything that kernel wrote, and may call cudaTriggerProgrammaticLaunchCompletion()
-// to let the next kernel start early. cluster_y > 1: clusters of cluster_y CTAs along y.
+// to let the next kernel start early. `cluster`: the cluster's CTAs along x, y, z (1, 1, 1:
+// no cluster).
 template <typename... KArgs, typename... Args>
 inline void launch_pdl_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                                 int cluster_y, Args&&... args) {
+                                 dim3 cluster, Args&&... args) {
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   attr[1].id = cudaLaunchAttributeClusterDimension;
-  attr[1].val.clusterDim.x = 1;
-  attr[1].val.clusterDim.y = cluster_y;
-  attr[1].val.clusterDim.z = 1;
+  attr[1].val.clusterDim.x = cluster.x;
+  attr[1].val.clusterDim.y = cluster.y;
+  attr[1].val.clusterDim.z = cluster.z;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = cluster_y > 1 ? 2 : 1;
+  cfg.numAttrs = cluster.x * cluster.y * cluster.z > 1 ? 2 : 1;
   MLA_CHECK_CUDA(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
-// Whether every cluster of cluster_y CTAs of `kernel` (block, smem) fits on the current GPU at
-// once (cudaOccupancyMaxActiveClusters, asked once per device; `clusters` the launch's count).
-// A cluster takes SMs of one GPC, and GPCs may hold odd SM counts: a grid of one CTA per SM
-// launched as clusters can leave a cluster for a second wave.
+// Whether every cluster (`cluster` CTAs) of a launch of `kernel` (block, smem) with
+// `clusters` of them fits on the current GPU at once (cudaOccupancyMaxActiveClusters, asked
+// once per device). A cluster takes SMs of one GPC, and GPCs may hold odd SM counts: a grid of
+// one CTA per SM launched as clusters can leave a cluster for a second wave.
 template <typename... KArgs>
-inline bool clusters_fit_at_once(void (*kernel)(KArgs...), dim3 block, size_t smem, int cluster_y, int clusters) {
+inline bool clusters_fit_at_once(void (*kernel)(KArgs...), dim3 block, size_t smem, dim3 cluster, int clusters) {
   static int max_active[64] = {};  // per device ordinal; 0: not asked yet (benign race: same value)
   int dev = 0;
   MLA_CHECK_CUDA(cudaGetDevice(&dev));
@@ -52,11 +53,11 @@ inline bool clusters_fit_at_once(void (*kernel)(KArgs...), dim3 block, size_t sm
   if (max_active[dev] == 0) {
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 1;
-    attr.val.clusterDim.y = cluster_y;
-    attr.val.clusterDim.z = 1;
+    attr.val.clusterDim.x = cluster.x;
+    attr.val.clusterDim.y = cluster.y;
+    attr.val.clusterDim.z = cluster.z;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(1, cluster_y);
+    cfg.gridDim = cluster;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.attrs = &attr;
@@ -71,7 +72,7 @@ inline bool clusters_fit_at_once(void (*kernel)(KArgs...), dim3 block, size_t sm
 template <typename... KArgs, typename... Args>
 inline void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {
-  launch_pdl_clustered(kernel, grid, block, smem, stream, 1, std::forward<Args>(args)...);
+  launch_pdl_clustered(kernel, grid, block, smem, stream, dim3(1, 1, 1), std::forward<Args>(args)...);
 }
 
 }  // namespace mla_backend

@@ -65,6 +65,11 @@ template <KeySource kSrc> constexpr bool kFoldScaleOf = kSrc == KeySource::kPage
 // every source but kPagedTma has a producer warpgroup that fills the K buffers
 template <KeySource kSrc> constexpr bool kProducedOf = kSrc != KeySource::kPagedTma;
 template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;
+// The grid's order: the dense 16-bit kernel's row tiles are blockIdx.x and its plan CTAs
+// blockIdx.y, so the CTAs that read the same pages are consecutive blocks and start together
+// (FlashMLA's order; 4 and 8 tiles: batch 1 -3 to -5%, batch >= 32 -1.5% against the plan's
+// CTA in x); the other kernels keep the plan's CTA in x.
+template <KeySource kSrc> constexpr bool kTileFastestOf = kSrc == KeySource::kPagedTma;
 // With a producer, each K buffer is filled in two halves (h = 0: chunks 0-3, h = 1: chunks
 // 4-8, the rope chunk included), each with a "full" and an "empty" mbarrier. P0 lives in K0's
 // rope chunk once S of its unit is done (its only smem reader, warpgroup 1's PV with V0's

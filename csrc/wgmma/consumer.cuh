@@ -72,7 +72,7 @@ struct SeesawCta {
   const bool& wg_leader;  // wtid == 0
   const uint32_t& peer_delta;  // kPaired: the peer CTA's shared::cluster address of x is x + peer_delta
   const float& scale_log2;     // the softmax scale in the log2 domain (times kv_scale)
-  const int& cta;              // the plan's CTA: blockIdx.x
+  const int& cta;              // the plan's CTA (decode_kernel.cuh: blockIdx.x, or y where the row tile is x)
   const int& row0;             // the first row of the CTA's tile
   const int& u_begin;          // the CTA's units [u_begin, u_end), U per CTA
   const int& u_end;

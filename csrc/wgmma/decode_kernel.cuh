@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   auto P_at = [&](int r) { return splitkv::plan_start<kSparse>(p, r); };
   auto request_of = [&](int u) { return splitkv::plan_request_of_unit<kSparse>(p, u); };
   // the plan's CTA and the row tile
-  const int cta = blockIdx.x;
-  const int row0 = blockIdx.y * kRows;
+  const int cta = kTileFastestOf<kSrc> ? blockIdx.y : blockIdx.x;
+  const int row0 = (kTileFastestOf<kSrc> ? blockIdx.x : blockIdx.y) * kRows;
   int u_begin, u_end, U;
   if (!splitkv::cta_units_of<kSparse>(p, cta, u_begin, u_end, U)) return;  // kPaired: both CTAs (same cta)
   if constexpr (kPaired) cute::cluster_sync();  // both CTAs' barriers initialised

@@ -18,7 +18,10 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   auto kernel = decode_wgmma_kernel<T, kSrc, kPaired, kPrefetch>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   const int m_tiles = (p.rows + kRows - 1) / kRows;
-  const dim3 grid(p.num_ctas, m_tiles);  // (the plan's CTA, the row tile)
+  // (the plan's CTA, the row tile); the dense 16-bit kernel takes the row tile fastest
+  // (kTileFastestOf)
+  constexpr bool kTileFastest = kTileFastestOf<kSrc>;
+  const dim3 grid = kTileFastest ? dim3(m_tiles, p.num_ctas) : dim3(p.num_ctas, m_tiles);
   STD_TORCH_CHECK(!kPaired || m_tiles % 2 == 0, "mla_decode: a paired launch needs an even number of row tiles, got ",
                   m_tiles);
   CUtensorMap kv_map{};  // the producer sources copy keys without a tensor map
@@ -28,21 +31,23 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   if constexpr (kDenseQTmaOf<kSrc>) {  // otherwise the kernel copies Q with cp.async (dense_q_by_tma)
     if (dense_q_by_tma(p)) q_maps = make_dense_q_maps(p, std::is_same_v<T, __nv_bfloat16>);
   }
-  // Two row tiles that read the same keys run as a 2-CTA cluster, so that the two CTAs that
-  // load a page at about the same time sit in one GPC: the dense 16-bit cache (H s_q = 128:
-  // -5 to -19% per layer on three H100s, most on the one that ran the uncoupled pair slowest)
-  // where every cluster fits at once, and the bf16 sparse kernel (H = 128: -2 to -5%, although
-  // its tiles share no work). Clusters of 4 or 8 row tiles left CTAs for a second wave.
-  int cluster = 1;
-  if constexpr (kPaired) cluster = 2;
+  // Clusters along the row tile. fp8 paired tiles share each page's conversion. The bf16
+  // sparse kernel's two tiles of a query group share nothing, but as a cluster the two CTAs
+  // that gather the same keys at about the same time sit in one GPC (H = 128 -2 to -5%). The
+  // dense 16-bit kernel's two tiles do the same where every pair fits at once (H s_q = 128:
+  // -5 to -19% per layer on three H100s with the tiles in y; with the tile-fastest order the
+  // cluster still takes ~2% off batch 1); clusters of 4 or 8 of its tiles left CTAs for a
+  // second wave.
+  dim3 cluster(1, 1, 1);
+  if constexpr (kPaired) cluster.y = 2;
   if constexpr (kSrc == KeySource::kSparse16) {
-    if (m_tiles == 2) cluster = 2;
+    if (m_tiles == 2) cluster.y = 2;
   }
-  if constexpr (kSrc == KeySource::kPagedTma) {
-    if (m_tiles == 2 && clusters_fit_at_once(kernel, dim3(kThreadsOf<kSrc>), kSmem, 2, p.num_ctas)) cluster = 2;
+  if constexpr (kTileFastest) {
+    if (m_tiles == 2 && clusters_fit_at_once(kernel, dim3(kThreadsOf<kSrc>), kSmem, dim3(2, 1, 1), p.num_ctas))
+      cluster.x = 2;
   }
-  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, cluster, p, kv_map,
-                       q_maps);
+  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, cluster, p, kv_map, q_maps);
   if (combine) splitkv::launch_combine<T, PartialOf<T, kSrc>>(p, stream);
 }
 
