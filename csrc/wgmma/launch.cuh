@@ -35,7 +35,7 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   // sparse kernel's two tiles of a query group share nothing, but as a cluster the two CTAs
   // that gather the same keys at about the same time sit in one GPC (H = 128 -2 to -5%). The
   // dense 16-bit kernel's two tiles do the same where every pair fits at once (H s_q = 128:
-  // -5 to -19% per layer on three H100s with the tiles in y; with the tile-fastest order the
+  // -5 to -19% per layer on two H100s with the tiles in y; with the tile-fastest order the
   // cluster still takes ~2% off batch 1); clusters of 4 or 8 of its tiles left CTAs for a
   // second wave.
   dim3 cluster(1, 1, 1);
