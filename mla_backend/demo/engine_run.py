@@ -133,7 +133,10 @@ def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str, busy=None) ->
     request gained between them: a step whose outputs arrive in parts, or are not returned on
     their own, still counts once. Prefill is not in it. Python's garbage collector is off
     while the steps run (after one collection), as timeit does: a collection of the engine's
-    large heap inside the timed span would be charged to the backend under test.
+    large heap inside the timed span would be charged to the backend under test. The
+    collection comes before the requests are added: an engine core in its own process (the
+    package pip-installed) would run ahead during it, and the timed span would then be this
+    process reading that backlog, faster than the engine ran.
 
     busy (a gpu_busy.GpuBusy), if given, records the GPU over the same span: started after the
     first whole-batch step, stopped after the last; busy.steps is set to the steps it saw."""
@@ -142,14 +145,14 @@ def _decode_step_s(llm, prompts: list[dict], steps: int, tag: str, busy=None) ->
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=1 + steps, temperature=0.0, ignore_eos=True,
                             detokenize=False)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params)
     produced: dict[str, int] = {}
     stamps = []  # (time, tokens of the request with the fewest)
     gc_was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{tag}-{i}", prompt, params)
         while engine.has_unfinished_requests():
             outs = engine.step()
             now = time.perf_counter()

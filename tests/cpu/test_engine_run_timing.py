@@ -1,6 +1,6 @@
 """The vLLM engine runner's decode-step timing (mla_backend.demo.engine_run._decode_step_s),
-driven by a fake engine whose steps take a known time: whole-batch steps, and steps whose
-outputs arrive in two parts."""
+driven by a fake engine whose steps take a known time: whole-batch steps, steps whose
+outputs arrive in two parts, and an engine core that runs in its own process."""
 
 import gc
 import types
@@ -115,3 +115,46 @@ def test_gpu_busy_spans_the_timed_steps(monkeypatch):
     # step 1 prefills, step 2 is the first whole-batch decode step (the first stamp); the
     # recorder runs from there to the last step (25 tokens each), over the 23 steps between
     assert (busy.started, busy.stopped, busy.steps) == (2, 25, 23)
+
+
+CLIENT_S = 0.0002
+
+
+class FakeCoreProcess:
+    """vLLM's engine core in a process of its own: from the first request on it runs a step
+    every STEP_S whether or not the client reads; the client's step() returns the oldest step
+    it has not read (waiting for it if none is ready) and costs CLIENT_S. `clock` is the
+    client's time."""
+
+    def __init__(self):
+        self.clock, self.t0, self.reqs, self.read = 0.0, None, {}, 0
+
+    def add_request(self, rid, prompt, params):
+        self.t0 = self.clock if self.t0 is None else self.t0
+        self.reqs[rid] = params.max_tokens
+
+    def has_unfinished_requests(self):
+        return self.read < max(self.reqs.values(), default=0)
+
+    def step(self):
+        k = self.read + 1
+        self.clock = max(self.clock, self.t0 + k * STEP_S) + CLIENT_S
+        self.read = k
+        return [types.SimpleNamespace(request_id=r, outputs=[types.SimpleNamespace(token_ids=[7] * k)])
+                for r, m in self.reqs.items() if k <= m]
+
+
+def test_a_collection_before_the_steps_does_not_let_a_separate_core_run_ahead(monkeypatch):
+    """The one collection before the timed steps takes 0.5 s here: were the requests already
+    added, the core would produce every token meanwhile and the timed span would be the client
+    reading that backlog (CLIENT_S a step, not STEP_S)."""
+    engine = FakeCoreProcess()
+    monkeypatch.setattr(engine_run.time, "perf_counter", lambda: engine.clock)
+
+    def slow_collect(*a):
+        engine.clock += 0.5
+
+    monkeypatch.setattr(engine_run.gc, "collect", slow_collect)
+    llm = types.SimpleNamespace(llm_engine=engine)
+    got = engine_run._decode_step_s(llm, [{"prompt_token_ids": [1]}] * 4, steps=24, tag="t")
+    assert got == pytest.approx(STEP_S)
