@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 #include <torch/headeronly/util/Exception.h>
 
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #define MLA_CHECK_CUDA(expr)                                                         \
   do {                                                                               \
@@ -42,31 +44,45 @@ inline void launch_pdl_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block
 
 // Whether every cluster (`cluster` CTAs) of a launch of `kernel` (block, smem) with
 // `clusters` of them fits on the current GPU at once (cudaOccupancyMaxActiveClusters, asked
-// once per device). A cluster takes SMs of one GPC, and GPCs may hold odd SM counts: a grid of
-// one CTA per SM launched as clusters can leave a cluster for a second wave.
+// once per kernel, device and cluster shape). A cluster takes SMs of one GPC, and GPCs may
+// hold odd SM counts: a grid of one CTA per SM launched as clusters can leave a cluster for a
+// second wave.
 template <typename... KArgs>
 inline bool clusters_fit_at_once(void (*kernel)(KArgs...), dim3 block, size_t smem, dim3 cluster, int clusters) {
-  static int max_active[64] = {};  // per device ordinal; 0: not asked yet (benign race: same value)
+  struct Asked {
+    const void* kernel;
+    int dev;
+    unsigned x, y, z;
+    int max_active;
+  };
+  static std::mutex mu;
+  static std::vector<Asked> asked;  // a few entries: one per clustered kernel and device
   int dev = 0;
   MLA_CHECK_CUDA(cudaGetDevice(&dev));
-  if (dev >= 64) return false;
-  if (max_active[dev] == 0) {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = cluster.x;
-    attr.val.clusterDim.y = cluster.y;
-    attr.val.clusterDim.z = cluster.z;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = cluster;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int n = 0;
-    MLA_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
-    max_active[dev] = n > 0 ? n : -1;
+  const void* key = reinterpret_cast<const void*>(kernel);
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    for (const Asked& a : asked) {
+      if (a.kernel == key && a.dev == dev && a.x == cluster.x && a.y == cluster.y && a.z == cluster.z)
+        return clusters <= a.max_active;
+    }
   }
-  return clusters <= max_active[dev];
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster.x;
+  attr.val.clusterDim.y = cluster.y;
+  attr.val.clusterDim.z = cluster.z;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = cluster;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  MLA_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+  const std::lock_guard<std::mutex> lock(mu);
+  asked.push_back({key, dev, cluster.x, cluster.y, cluster.z, n});
+  return clusters <= n;
 }
 
 template <typename... KArgs, typename... Args>

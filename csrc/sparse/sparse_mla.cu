@@ -26,10 +26,12 @@ void launch_sparse(const DecodeParams& p, bool fp8_ds_mla, bool combine, cudaStr
   using wgmma::KeySource;
   using wgmma::kRows;
   using wgmma::launch_decode_wgmma;
-  // fp8_ds_mla with two row tiles (H > 64): the tiles share each unit's conversion (kPaired)
-  if (fp8_ds_mla && p.rows > kRows)
-    launch_decode_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, true, false>(p, stream, combine);
-  else if (fp8_ds_mla) launch_decode_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, false, false>(p, stream, combine);
+  // fp8_ds_mla with two row tiles (H > 64): the tiles share each unit's conversion
+  // (kPaired), where every pair fits on the GPU at once; otherwise the unpaired kernel
+  if (fp8_ds_mla && p.rows > kRows &&
+      launch_decode_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, true, false>(p, stream, combine))
+    return;
+  if (fp8_ds_mla) launch_decode_wgmma<__nv_bfloat16, KeySource::kSparseDsMla, false, false>(p, stream, combine);
   else if (p.rows <= 16) launch_sparse_narrow<16>(p, stream, combine);
   // bf16, one row tile (H <= 64), a cache too large for L2: the producer prefetches each
   // fill's rows to L2 before its release wait. Where the rows sit in L2 there is nothing to

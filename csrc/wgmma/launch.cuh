@@ -14,7 +14,7 @@
 namespace mla_backend::wgmma {
 
 template <typename T, KeySource kSrc, bool kPaired, bool kPrefetch>
-void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine) {
+bool launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine) {
   auto kernel = decode_wgmma_kernel<T, kSrc, kPaired, kPrefetch>;
   MLA_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   const int m_tiles = (p.rows + kRows - 1) / kRows;
@@ -31,24 +31,30 @@ void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   if constexpr (kDenseQTmaOf<kSrc>) {  // otherwise the kernel copies Q with cp.async (dense_q_by_tma)
     if (dense_q_by_tma(p)) q_maps = make_dense_q_maps(p, std::is_same_v<T, __nv_bfloat16>);
   }
-  // Clusters along the row tile. fp8 paired tiles share each page's conversion. The bf16
-  // sparse kernel's two tiles of a query group share nothing, but as a cluster the two CTAs
-  // that gather the same keys at about the same time sit in one GPC (H = 128 -2 to -5%). The
-  // dense 16-bit kernel's two tiles do the same where every pair fits at once (H s_q = 128:
-  // -5 to -19% per layer on two H100s with the tiles in y; with the tile-fastest order the
-  // cluster still takes ~2% off batch 1); clusters of 4 or 8 of its tiles left CTAs for a
-  // second wave.
+  // Clusters along the row tile. fp8 paired tiles share each page's conversion, so they run
+  // only as clusters, and only where every pair fits at once (else nothing is launched and
+  // the caller runs the unpaired kernel). The bf16 sparse kernel's two tiles of a query group
+  // share nothing, but as a cluster the two CTAs that gather the same keys at about the same
+  // time sit in one GPC (H = 128 -2 to -5%). The dense 16-bit kernel's two tiles do the same
+  // (H s_q = 128: -5 to -19% per layer on two H100s with the tiles in y; with the tile-fastest
+  // order the cluster still takes ~2% off batch 1); clusters of 4 or 8 of its tiles left CTAs
+  // for a second wave. Those two cluster only where every pair fits at once.
+  const dim3 block(kThreadsOf<kSrc>);
+  const int pairs = m_tiles / 2 * p.num_ctas;
   dim3 cluster(1, 1, 1);
-  if constexpr (kPaired) cluster.y = 2;
+  if constexpr (kPaired) {
+    if (!clusters_fit_at_once(kernel, block, kSmem, dim3(1, 2, 1), pairs)) return false;
+    cluster.y = 2;
+  }
   if constexpr (kSrc == KeySource::kSparse16) {
-    if (m_tiles == 2) cluster.y = 2;
+    if (m_tiles == 2 && clusters_fit_at_once(kernel, block, kSmem, dim3(1, 2, 1), pairs)) cluster.y = 2;
   }
   if constexpr (kTileFastest) {
-    if (m_tiles == 2 && clusters_fit_at_once(kernel, dim3(kThreadsOf<kSrc>), kSmem, dim3(2, 1, 1), p.num_ctas))
-      cluster.x = 2;
+    if (m_tiles == 2 && clusters_fit_at_once(kernel, block, kSmem, dim3(2, 1, 1), pairs)) cluster.x = 2;
   }
-  launch_pdl_clustered(kernel, grid, dim3(kThreadsOf<kSrc>), kSmem, stream, cluster, p, kv_map, q_maps);
+  launch_pdl_clustered(kernel, grid, block, kSmem, stream, cluster, p, kv_map, q_maps);
   if (combine) splitkv::launch_combine<T, PartialOf<T, kSrc>>(p, stream);
+  return true;
 }
 
 }  // namespace mla_backend::wgmma

@@ -9,9 +9,11 @@
 
 namespace mla_backend::wgmma {
 
-// One 64-row tile per CTA along y; then the combine kernel unless `combine` is false (a plan
-// that splits no request and leaves none empty).
+// One 64-row tile per CTA (grid: the plan's CTAs and the row tiles, see kTileFastestOf); then
+// the combine kernel unless `combine` is false (a plan that splits no request and leaves none
+// empty). Returns false, having launched nothing, only where kPaired and the pairs do not all
+// fit on the GPU at once: the caller then runs the unpaired kernel.
 template <typename T, KeySource kSrc, bool kPaired, bool kPrefetch>
-void launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine);
+bool launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combine);
 
 }  // namespace mla_backend::wgmma

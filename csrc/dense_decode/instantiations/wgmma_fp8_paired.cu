@@ -5,9 +5,9 @@
 
 namespace mla_backend::wgmma {
 
-template void launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8, true, false>(
+template bool launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8, true, false>(
     const DecodeParams& p, cudaStream_t stream, bool combine);
-template void launch_decode_wgmma<__half, KeySource::kPagedFp8, true, false>(
+template bool launch_decode_wgmma<__half, KeySource::kPagedFp8, true, false>(
     const DecodeParams& p, cudaStream_t stream, bool combine);
 
 }  // namespace mla_backend::wgmma

@@ -3,7 +3,7 @@
 
 namespace mla_backend::wgmma {
 
-template void launch_decode_wgmma<__nv_bfloat16, KeySource::kSparse16, false, true>(
+template bool launch_decode_wgmma<__nv_bfloat16, KeySource::kSparse16, false, true>(
     const DecodeParams& p, cudaStream_t stream, bool combine);
 
 }  // namespace mla_backend::wgmma
