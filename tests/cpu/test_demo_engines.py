@@ -11,12 +11,14 @@ from mla_backend.demo import __main__ as demo
 from mla_backend.demo import engines, sglang_run
 
 
-def _fake_result(backend, step_us, tokens):
+def _fake_result(backend, step_us, tokens, busy_us=None):
     outputs = [{"prompt_len": n, "token_ids": tokens,
                 "logprobs": [[[t, -0.5], [t + 1, -2.0]] for t in tokens]} for n in (5, 40, 700)]
-    return {"outputs": outputs, "engine_start_s": 1.0,
-            "timing": {"step_us": step_us, "decode_tokens_per_s": 32 / step_us * 1e6,
-                       "step_us_all": [step_us]}}
+    timing = {"step_us": step_us, "decode_tokens_per_s": 32 / step_us * 1e6,
+              "step_us_all": [step_us]}
+    if busy_us is not None:
+        timing["gpu_busy_us_all"] = busy_us
+    return {"outputs": outputs, "engine_start_s": 1.0, "timing": timing}
 
 
 def test_default_engine_is_vllm_and_baselines_differ():
@@ -35,7 +37,10 @@ def test_vllm_spec_is_unchanged():
                     "max_model_len": 1536, "max_num_seqs": 64, "tensor_parallel_size": 2,
                     "gpu_memory_utilization": 0.5, "prompts": [[1, 2]], "max_tokens": 8,
                     "logprobs": 5, "timing": {"prompt_len": 1016, "batch": 48, "steps": 32,
-                                              "repeats": 3}}
+                                              "repeats": 3, "gpu_busy": False}}
+    # one GPU: the engine core in the runner's process, where the profiler sees its kernels
+    spec = demo.engine_spec(demo._parse([]), "/m", False, [[1, 2]])
+    assert spec["timing"]["gpu_busy"] is True and spec["tensor_parallel_size"] == 1
 
 
 def test_sglang_spec_maps_the_options():
@@ -48,7 +53,7 @@ def test_sglang_spec_maps_the_options():
                     "engine_args": {"flashinfer_mla_disable_ragged": True},
                     "prompts": [[1, 2]] * 3, "max_new_tokens": 8, "logprobs": 5,
                     "timing": {"prompt_len": 1016, "batch": 48, "steps": 32, "repeats": 3,
-                               "log_interval": 8}}
+                               "gpu_busy": True, "log_interval": 8}}
     args = demo._parse(["--engine", "sglang", "--model", "/ckpt", "--tp", "8", "--eager"])
     spec = demo.engine_spec(args, "/ckpt", True, [[1]])
     assert spec["graphs"] is False and spec["kv_cache_dtype"] == "auto"
@@ -103,7 +108,8 @@ def test_sglang_demo_runs_ours_then_flashmla(monkeypatch, capsys, tmp_path):
     assert "  mla_backend           : 7 8 9" in out and "  flashmla              : 7 8 4" in out
     assert "prompt 0 parts at generated token 2: mla_backend chose 9, flashmla 4" in out
     assert "generated tokens agree: until they part" in out and "(6/9)" in out
-    assert "  speedup: 1.20x" in out
+    # no GPU busy time in these results: the wall clock, said so
+    assert "  mla_backend against flashmla: 1.20x by the wall clock" in out
 
 
 def test_vllm_demo_keeps_its_runner_and_names(monkeypatch, capsys, tmp_path):
@@ -124,3 +130,25 @@ def test_vllm_demo_keeps_its_runner_and_names(monkeypatch, capsys, tmp_path):
     assert out.startswith("mla_backend demo: tiny DeepSeek-V3")
     assert "  CUSTOM (mla_backend)  : 7 8 9" in out and "  FLASHMLA              : 7 8 9" in out
     assert "generated tokens agree: yes (9/9)" in out
+
+
+def test_vllm_demo_compares_by_gpu_busy_time_and_shows_the_wall_clock(monkeypatch, capsys,
+                                                                      tmp_path):
+    monkeypatch.setattr(engines, "engine_missing", lambda engine: None)
+
+    def fake_run_engine(spec, log, *, label="", progress=False):
+        with open(log, "w") as f:
+            f.write("Using FLASH_ATTN_MLA attention backend\n" if spec["backend"] is None else "")
+        ours = spec["backend"] == "CUSTOM"
+        # ours slower by the (host-bound) wall clock, faster on the GPU
+        return _fake_result(spec["backend"], 3300.0 if ours else 2300.0, [7, 8, 9],
+                            busy_us=[410.0, 400.0, 405.0] if ours else [440.0, 450.0, 445.0])
+
+    monkeypatch.setattr(engines, "run_engine", fake_run_engine)
+    assert demo.main(["--logs", str(tmp_path), "--context", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "  CUSTOM (mla_backend)  : GPU busy 405 us per step; 3300 us per step by the wall " \
+           "clock (9697 tokens/s)" in out
+    assert "  FLASH_ATTN_MLA        : GPU busy 445 us per step; 2300 us per step" in out
+    assert "  CUSTOM (mla_backend) against FLASH_ATTN_MLA: 1.10x by GPU busy time" in out
+    assert "speedup" not in out
