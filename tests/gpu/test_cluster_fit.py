@@ -7,7 +7,9 @@ clusters: the fp8 kernels that share each page's conversion between two CTAs (de
 fp8 and sparse fp8_ds_mla at two or more row tiles) fall back to their unpaired twins, and the
 16-bit kernels that cluster only for placement launch plain grids. Each case checks the answer
 and, with the profiler, which kernel ran. The same shapes planned for this GPU run paired,
-which the same check confirms, so the fallback case is not passing on the paired kernel.
+which the same check confirms, so the fallback case is not passing on the paired kernel (on
+the H100 and the H200 every pair of a one-wave plan fits; a GPU where they do not would fail
+that case, and would run those launches unpaired).
 """
 
 import pytest
