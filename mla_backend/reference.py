@@ -26,6 +26,7 @@ D_V = 512
 PAGE_SIZE = 64
 WHOLE_SHARE_DIVISOR = 32  # whole requests may cost 1/32 of the share (splitkv/planner.cu)
 PAD_MAX_BATCH = 256  # padded plans up to this many requests (splitkv/planner.h kPadMaxBatch)
+MAX_CTAS_PER_REQUEST = 88  # no request split over more CTAs (splitkv/planner.h kMaxCtasPerRequest)
 LPT_MAX_BATCH = 1024  # longest-first plans up to this many requests (the planner's one block)
 LPT_MAX_UNITS = 1 << 21  # ... and under this many units (a CTA's load and index share 32 bits)
 LPT_MAX_CTAS = 256  # ... on at most this many CTAs (8 a lane of the planner's warp)
@@ -213,10 +214,13 @@ def plan_decode_metadata(seq_lens: torch.Tensor, num_ctas: int, min_units: int,
     balanced U and no equal-lengths whole plan was taken; otherwise the plan above in the
     requests' own order.
     With one_unit_max >= 0 and at most one_unit_max units in all, min_units is 1 (a small
-    step: more, shorter CTAs)."""
-    if one_unit_max >= 0 and int(((seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1)
-                                  // unit_tokens).sum()) <= one_unit_max:
+    step: more, shorter CTAs). Then min_units is at least ceil(the longest request's units /
+    MAX_CTAS_PER_REQUEST): no request is split over more CTAs than that."""
+    all_units = (seq_lens.to(torch.int64).clamp_min(0) + unit_tokens - 1) // unit_tokens
+    if one_unit_max >= 0 and int(all_units.sum()) <= one_unit_max:
         min_units = 1
+    if all_units.numel():
+        min_units = max(min_units, -(-int(all_units.max()) // MAX_CTAS_PER_REQUEST))
     if lpt_extra >= 0:
         plain = plan_decode_metadata(seq_lens, num_ctas, min_units, unit_tokens, whole_extra,
                                      align_extra, restart_pad)

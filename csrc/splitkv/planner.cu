@@ -150,7 +150,8 @@ __global__ void __launch_bounds__(1024) plan_decode_kernel(const int* __restrict
   }
   if (threadIdx.x == 0) {
     const int total = carry;
-    const int floor_units = one_unit_max >= 0 && total <= one_unit_max ? 1 : min_units;  // a small step: 1
+    int floor_units = one_unit_max >= 0 && total <= one_unit_max ? 1 : min_units;  // a small step: 1
+    floor_units = max(floor_units, (most + kMaxCtasPerRequest - 1) / kMaxCtasPerRequest);  // see planner.h
     int per_cta = max((total + num_ctas - 1) / num_ctas, floor_units);
     s_whole = 0;
     if (whole_extra >= 0 && batch > 0 && fewest == most && most > 0) {  // equal lengths

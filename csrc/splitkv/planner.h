@@ -8,7 +8,11 @@ namespace mla_backend::splitkv {
 
 // meta[0..batch] = P (unit prefix sums), meta[batch + 1] = U = max(ceil(all units / num_ctas),
 // min_units), with min_units read as 1 wherever it appears when one_unit_max >= 0 and the
-// requests hold at most one_unit_max units in all (a small step: more, shorter CTAs). Request b has min(max(lens[b / repeat], 0), max_len) keys (lens == nullptr:
+// requests hold at most one_unit_max units in all (a small step: more, shorter CTAs), and as at
+// least ceil(the longest request's units / kMaxCtasPerRequest) everywhere: no request is split
+// over more than that many CTAs. (One request of 16k keys on 132 one-tile CTAs: 86 CTAs of 3
+// pages took 5-9% off 128 of 2, and at 32k 86 of 6 took 2-8% off 128 of 4; H100, 2026-11-27.
+// Plans with two or more row tiles have at most 66 CTAs, so it never binds there.) Request b has min(max(lens[b / repeat], 0), max_len) keys (lens == nullptr:
 // max_len), in units of `unit` tokens. Dense: lens = seq_lens, repeat 1; sparse: lens =
 // topk_length per batch entry, one request per (entry, query token), max_len = topk.
 // whole_extra >= 0: when every request has the same u > 0 units, U becomes a whole number of
@@ -45,6 +49,7 @@ namespace mla_backend::splitkv {
 // merge. Requests with no units come last (P = num_ctas * U). -1: meta has batch + 2 ints and
 // the plans above.
 constexpr int kPadMaxBatch = 256;
+constexpr int kMaxCtasPerRequest = 88;
 constexpr int kLptMaxBatch = 1024, kLptMaxCtas = 256, kLptMaxUnits = 1 << 21;
 void launch_planner(const int* lens, int batch, int repeat, int max_len, int* meta, int num_ctas, int min_units,
                     int unit, int whole_extra, int align_extra, int restart_pad, int lpt_extra, int one_unit_max,

@@ -221,6 +221,21 @@ def test_small_step_takes_one_unit_per_cta():
                                     one_unit_max=24).tolist() == [0, 11, 11, 21, 1]
 
 
+def test_no_request_split_over_more_than_the_cap_of_ctas():
+    # one request of 16k keys (256 pages) on 132 one-tile CTAs: 3 pages a CTA (86 CTAs), not 2
+    # (128); 8k keys keep 2 (64 CTAs); at 66 CTAs (two row tiles) the cap never binds
+    cap = ref.MAX_CTAS_PER_REQUEST
+    for keys, u_want in ((8192, 2), (16384, 3), (32768, 6)):
+        meta = ref.plan_decode_metadata(torch.tensor([keys], dtype=torch.int32), 132, 2, 64)
+        assert int(meta[-1]) == u_want and -(-(keys // 64) // u_want) <= cap
+    meta = ref.plan_decode_metadata(torch.tensor([16384], dtype=torch.int32), 66, 2, 64)
+    assert int(meta[-1]) == 4
+    # a batch whose longest request would otherwise take 114 CTAs: U rises to 12 (86 CTAs for it)
+    seq = torch.tensor([65536, 1000, 1000, 1000], dtype=torch.int32)
+    meta = ref.plan_decode_metadata(seq, 132, 2, 64, align_extra=1, restart_pad=4)
+    assert int(meta[-1]) >= 12 and -(-1024 // int(meta[-1])) <= cap
+
+
 def test_planner_knobs_give_small_steps_one_page_up_to_four_row_tiles(monkeypatch):
     from mla_backend.ops import cost_model, dense
 

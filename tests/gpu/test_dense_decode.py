@@ -254,9 +254,11 @@ def test_large_scale_sharp_softmax():
     torch.randint(0, 1536, (1024,), generator=torch.Generator().manual_seed(9), dtype=torch.int32),
     torch.tensor([1000], dtype=torch.int32),  # small steps: one page a CTA
     torch.tensor([700, 0, 600], dtype=torch.int32),
+    torch.tensor([32768], dtype=torch.int32),  # one long request: at most 88 CTAs
+    torch.tensor([65536, 1000, 1000, 1000], dtype=torch.int32),
 ], ids=["ragged", "equal-64x8k", "equal-128x4k", "equal-1500x1k", "aligned-7", "aligned-32",
         "padded-128", "padded-256", "packed-257", "longest-first-128", "longest-first-1024",
-        "small-1", "small-3"])
+        "small-1", "small-3", "capped-1", "capped-4"])
 def test_planner_matches_python_twin(seq):
     # fp8 at H 16: one row tile of the wgmma kernel below 16 requests (its own minimum work)
     for heads, kv_dtype in ((16, None), (128, None), (16, torch.float8_e4m3fn)):
