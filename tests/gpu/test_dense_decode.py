@@ -224,9 +224,9 @@ def _splits(plan) -> int:
 # the combine merges; the same per-row tolerance in every build
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,s_q", [(16, 1), (64, 1), (64, 2), (128, 1), (128, 2)])
-def test_batch_one_long_context_splits_over_every_cta(heads, s_q, dtype):
+def test_batch_one_long_context_splits_over_many_ctas(heads, s_q, dtype):
     plan = _check([16384], s_q, heads, dtype=dtype)
-    # 132 SMs: 128, 128, 64, 64 and 32 splits (128 keys per CTA, or one wave of CTAs)
+    # 132 SMs: 86, 86, 64, 64 and 32 splits (one wave of CTAs, at most 88 for one request)
     assert _splits(plan) >= 24
 
 
