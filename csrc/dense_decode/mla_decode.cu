@@ -128,16 +128,6 @@ void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor
     }
   } else if (rows_per_cta == 64) {
     using wgmma::KeySource;
-    // per-tensor fp8 with row tiles in pairs: each pair is a 2-CTA cluster converting each
-    // page once for both (kPaired), where every pair fits on the GPU at once; otherwise (and
-    // for odd tile counts) the unpaired kernel
-    const bool paired = ((rows + 63) / 64) % 2 == 0;
-    if (fp8 && paired) {
-      const bool launched =
-          bf16 ? wgmma::launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8, true, false>(p, stream, true)
-               : wgmma::launch_decode_wgmma<__half, KeySource::kPagedFp8, true, false>(p, stream, true);
-      if (launched) return;
-    }
     if (fp8) {
       if (bf16) wgmma::launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8, false, false>(p, stream, true);
       else wgmma::launch_decode_wgmma<__half, KeySource::kPagedFp8, false, false>(p, stream, true);

@@ -111,7 +111,6 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     KeyProducer<T, KeySource::kSparse16> prod{p,    static_cast<const unsigned char*>(p.kv), 0u, bars,
                                               bars + kRings * 8, sMask, wtid >> 1, wtid & 1, warp, lane};
-    typename KeyProducer<T, KeySource::kSparse16>::Fill pending;  // the bf16 fills announce themselves
     splitkv::for_each_piece<true>(p, u_begin, u_end, [&](int r, int Pr, int pg_begin, int pg_end) {
       const int* list = splitkv::sparse_group_indices(p, r);
       const int len = splitkv::sparse_group_len(p, r);
@@ -126,8 +125,8 @@ __global__ void __launch_bounds__(384, 1) sparse_narrow_kernel(const __grid_cons
         const int g = Pr + pg - u_begin;  // the unit's index in the CTA
         const int slot = slot_next;
         slot_next = slot_of(pg + 1);  // in flight while this unit's copies are issued
-        prod.issue_to(g % kNarrowLeft, left_at(g), g % kNarrowLeft, 0, slot, pending);
-        prod.issue_to(kNarrowLeft + (g & 1), right_at(g), g % kNarrowLeft, 1, slot, pending);
+        prod.issue_to(g % kNarrowLeft, left_at(g), g % kNarrowLeft, 0, slot);
+        prod.issue_to(kNarrowLeft + (g & 1), right_at(g), g % kNarrowLeft, 1, slot);
       }
     });
     return;

@@ -20,7 +20,8 @@ using cutlass::arch::ClusterTransactionBarrier;
 // Where a unit's keys come from.
 enum class KeySource {
   kPagedTma,    // dense paged decode, 16-bit cache: TMA loads whole 64-token pages (no producer)
-  kPagedFp8,    // dense paged decode, per-tensor fp8 e4m3 cache (576 bytes per token)
+  kPagedFp8,    // dense paged decode, per-tensor fp8 e4m3 cache (576 bytes per token): raw pages by
+                // TMA, converted in place by the consumers (fp8_tile.cuh)
   kSparse16,    // sparse (DSA) decode / prefill over a bf16 cache
   kSparseDsMla  // sparse over the 656-byte fp8_ds_mla cache (split schedule, RegFp8Producer)
 };
@@ -62,14 +63,18 @@ template <KeySource kSrc> constexpr bool kMaskFreeOf = !kSparseOf<kSrc>;
 // scale, bit for bit); the fp8 source multiplies in kv_scale from device memory, whose sign
 // nothing checks
 template <KeySource kSrc> constexpr bool kFoldScaleOf = kSrc == KeySource::kPagedTma;
-// every source but kPagedTma has a producer warpgroup that fills the K buffers
-template <KeySource kSrc> constexpr bool kProducedOf = kSrc != KeySource::kPagedTma;
-template <KeySource kSrc> constexpr int kThreadsOf = kSrc == KeySource::kPagedTma ? 256 : 384;
+// The dense sources whose pages come by TMA, issued by a consumer thread at each release: no
+// producer warpgroup (256 threads); every other source has one that fills the K buffers
+template <KeySource kSrc> constexpr bool kTmaPagesOf = kSrc == KeySource::kPagedTma || kSrc == KeySource::kPagedFp8;
+template <KeySource kSrc> constexpr bool kProducedOf = !kTmaPagesOf<kSrc>;
+template <KeySource kSrc> constexpr int kThreadsOf = kTmaPagesOf<kSrc> ? 256 : 384;
+// per-tensor fp8: S = kv_scale * (q . k8) and O = kv_scale * (P . v8), kv_scale read on the GPU
+template <KeySource kSrc> constexpr bool kPerTensorFp8Of = kSrc == KeySource::kPagedFp8;
 // The grid's order: the dense 16-bit kernel's row tiles are blockIdx.x and its plan CTAs
 // blockIdx.y, so the CTAs that read the same pages are consecutive blocks and start together
 // (FlashMLA's order; 4 and 8 tiles: batch 1 -3 to -5%, batch >= 32 -1.5% against the plan's
 // CTA in x); the other kernels keep the plan's CTA in x.
-template <KeySource kSrc> constexpr bool kTileFastestOf = kSrc == KeySource::kPagedTma;
+template <KeySource kSrc> constexpr bool kTileFastestOf = kTmaPagesOf<kSrc>;
 // With a producer, each K buffer is filled in two halves (h = 0: chunks 0-3, h = 1: chunks
 // 4-8, the rope chunk included), each with a "full" and an "empty" mbarrier. P0 lives in K0's
 // rope chunk once S of its unit is done (its only smem reader, warpgroup 1's PV with V0's
@@ -80,9 +85,9 @@ __device__ __forceinline__ int fill_id(int b, int h) { return 2 * b + h; }
 // The bf16 sparse source converts nothing: its copies announce themselves on the "full"
 // mbarrier as they land (cp.async.mbarrier.arrive.noinc, 128 arrivals), plus one plain
 // arrival per producer warp after its lane 0 wrote the unit's mask (release for that store),
-// so the producer never waits for its own copies. The fp8 sources wait, convert, announce.
+// so the producer never waits for its own copies. The fp8_ds_mla producer converts in
+// registers and announces its stores.
 template <KeySource kSrc> constexpr bool kLandArrivesOf = kSrc == KeySource::kSparse16;
-template <KeySource kSrc> constexpr bool kFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kSparseDsMla;
 // fp8_ds_mla runs the split schedule: one unit at a time, warpgroup 0 S + softmax + O's left
 // half, warpgroup 1 O's right half, the producer converting from registers (RegFp8Producer)
 template <KeySource kSrc> constexpr bool kSplitOf = kSrc == KeySource::kSparseDsMla;
@@ -95,10 +100,10 @@ static_assert(2 * kFills <= kQBar && kQBar < 18, "the Q mbarrier must not overla
 // Dense sources: whole-request outputs staged for 16-byte stores (store_tile_staged), as the
 // split partials are
 template <KeySource kSrc> constexpr bool kDenseStagedOutOf = !kSparseOf<kSrc>;
-// ... and kPagedTma's Q by TMA (make_dense_q_maps; cp.async where dense_q_by_tma says no),
-// each piece's issued by the previous piece's epilogue. Its mbarrier is the 19th: kPagedTma's
+// ... and the TMA-page sources' Q by TMA (make_dense_q_maps; cp.async where dense_q_by_tma says no),
+// each piece's issued by the previous piece's epilogue. Its mbarrier is the 19th: their
 // 18 chunk barriers take ids 0-17, and it uses none of the sparse key-mask words after them.
-template <KeySource kSrc> constexpr bool kDenseQTmaOf = kSrc == KeySource::kPagedTma;
+template <KeySource kSrc> constexpr bool kDenseQTmaOf = kTmaPagesOf<kSrc>;
 constexpr int kDenseQBar = 18;
 
 // Named barriers (id 0 is __syncthreads): both warpgroups, 256 threads ...

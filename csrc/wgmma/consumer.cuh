@@ -37,6 +37,7 @@
 #include "splitkv/schedule.cuh"
 #include "wgmma/config.cuh"
 #include "wgmma/consumer_steps.cuh"
+#include "wgmma/fp8_tile.cuh"
 #include "wgmma/gmma.cuh"
 #include "wgmma/smem_layout.cuh"
 #include "wgmma/staged_rows.cuh"
@@ -89,6 +90,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   constexpr bool kProduced = kProducedOf<kSrc>;
   constexpr bool kQTma = kQTmaOf<kSrc>;
   constexpr bool kDenseQTma = kDenseQTmaOf<kSrc>;
+  constexpr bool kConverts = kSrc == KeySource::kPagedFp8;  // raw fp8 pages, see fp8_tile.cuh
   // the kernel's locals under their own names, bound once here (see consumer_steps.cuh)
   auto& smem = c.smem;
   auto& base = c.base;
@@ -118,8 +120,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   // per-tensor fp8: O = kv_scale * (P . v8) (read again in the epilogue rather than held in a
   // register); 1 otherwise
   auto read_kv_scale = [&] {
-    return kSrc == KeySource::kPagedFp8 ? (p.kv_scale_ptr != nullptr ? __ldg(p.kv_scale_ptr) : p.kv_scale_value)
-                                        : 1.f;
+    return kPerTensorFp8Of<kSrc> ? (p.kv_scale_ptr != nullptr ? __ldg(p.kv_scale_ptr) : p.kv_scale_value) : 1.f;
   };
   // the plan (the sparse kernels may run a uniform plan: see plan_start)
   auto P_at = [&](int r) { return splitkv::plan_start<kSparse>(p, r); };
@@ -162,13 +163,24 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   };
 
   // TMA of one half of buffer b (h = 0: chunks 0-3, h = 1: chunks 4-8), one mbarrier per
-  // chunk so S can start on each as it lands
+  // chunk so S can start on each as it lands. kPagedFp8: 128 raw bytes a row per box, into
+  // the odd chunks 1, 3 (h = 0) and 5, 7, 8 (h = 1; chunk 8's box ends past the token's 576
+  // bytes, its last 64 bytes a row are zero fill), each on its own chunk's mbarrier
   auto load_half = [&](int b, int h, int blk) {
-    const int c0 = h == 0 ? 0 : 4, c1 = h == 0 ? 4 : 9;
-    for (int c = c0; c < c1; ++c) {
-      const uint32_t bar = bars + (9 * b + c) * 8;
-      ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(bar), kChunkBytes);
-      tma_load_3d(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, 0, blk, bar);
+    if constexpr (kConverts) {
+      const int c0 = h == 0 ? 1 : 5, c1 = h == 0 ? 4 : 9;
+      for (int c = c0; c < c1; c += (c == 7 ? 1 : 2)) {
+        const uint32_t bar = bars + (9 * b + c) * 8;
+        ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(bar), kChunkBytes);
+        tma_load_3d(sKbuf(b) + c * kChunkBytes, &kv_map, (c >> 1) * 128, 0, blk, bar);
+      }
+    } else {
+      const int c0 = h == 0 ? 0 : 4, c1 = h == 0 ? 4 : 9;
+      for (int c = c0; c < c1; ++c) {
+        const uint32_t bar = bars + (9 * b + c) * 8;
+        ClusterTransactionBarrier::arrive_and_expect_tx(smem_ptr<uint64_t>(bar), kChunkBytes);
+        tma_load_3d(sKbuf(b) + c * kChunkBytes, &kv_map, c * 64, 0, blk, bar);
+      }
     }
   };
   // half h of buffer b is no longer read by this warpgroup (its wgmmas retired): kPagedTma,
@@ -194,6 +206,20 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       // local ones are fenced by the producer, so this fence is redundant (it costs nothing
       // measurable, and the tested build has it)
       if constexpr (kLandArrivesOf<kSrc> || kPaired) cutlass::arch::fence_view_async_shared();
+    } else if constexpr (kConverts) {
+      // S reads chunks c and c + 1 (c even) from raw chunk c + 1, chunk 8 from its own raw
+      // bytes: this warpgroup (S of buffer b is its own, and the first reader of the page)
+      // converts them once landed, then fences them for the wgmmas of every warpgroup
+      if (c & 1) return;
+      const int rc = c == 8 ? 8 : c + 1;
+      const int bit = 9 * b + rc;
+      mbar_wait(bars + bit * 8, (phases >> bit) & 1);
+      phases ^= 1u << bit;
+      unsigned char* tile = smem + (sKbuf(b) - base);
+      if (rc == 8) convert_raw_rope<T>(tile, wtid);
+      else convert_raw_chunk<T>(tile, rc, wtid);
+      cutlass::arch::fence_view_async_shared();
+      named_sync(kBarWg0 + wg, 128);  // the warpgroup's wgmmas read every thread's rows
     } else {
       const int bit = 9 * b + c;
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);

@@ -2,24 +2,25 @@
 // 64-key units ("seesaw"; the idea is FlashMLA's, this code is ours). One kernel template,
 // four key sources (KeySource in config.cuh):
 //   kPagedTma    dense paged decode, 16-bit cache: TMA loads whole 64-token pages (256 threads);
-//   kPagedFp8    dense paged decode, per-tensor fp8 e4m3 cache (576 bytes per token),
+//   kPagedFp8    dense paged decode, per-tensor fp8 e4m3 cache (576 bytes per token): TMA loads
+//                each page's raw bytes and the consumers convert them in place (fp8_tile.cuh;
+//                256 threads);
 //   kSparse16    sparse (DSA) decode / prefill over a bf16 cache, and
-//   kSparseDsMla ... over the 656-byte fp8_ds_mla cache: for these three a third, producer
-//                warpgroup copies the 64 tokens of each unit (a page's, or the listed slots)
-//                with cp.async (384 threads) and, for the fp8 caches, converts them to 16-bit
-//                values (key_producer.cuh; fp8_ds_mla in registers, reg_fp8_producer.cuh), so
-//                the consumers see the same tile as from a 16-bit cache.
+//   kSparseDsMla ... over the 656-byte fp8_ds_mla cache: for these two a third, producer
+//                warpgroup gathers the 64 listed tokens of each unit (384 threads): with
+//                cp.async (key_producer.cuh), or converting fp8_ds_mla in registers
+//                (reg_fp8_producer.cuh), so the consumers see the same tile as from a 16-bit
+//                cache.
 //
 // A CTA works on one 64-row tile; its unit of work is 64 keys (a page, or 64 list entries).
 // The consumers (consumer.cuh, consumer_steps.cuh) compute S = Q K^T (wgmma m64n64k16; Q
-// chunks 0-7 from smem, the rope chunk 8 from registers for kPagedTma, since its smem then
-// holds the second P buffer), the online softmax and O += P V (m64n256k16), warpgroup w
-// holding output columns [256w, 256w + 256).
+// chunks 0-7 from smem, the rope chunk 8 from registers for the dense sources, since their
+// smem then holds the second P buffer), the online softmax and O += P V (m64n256k16),
+// warpgroup w holding output columns [256w, 256w + 256).
 // Shared memory: Q 72 KiB + 2 x K 72 KiB + one P buffer 8 KiB + scalars = 225 KiB.
 // fp8_ds_mla runs the split schedule (kSplitOf): one unit at a time, the producer converting
 // in registers (128 of them). With two row tiles (H > 64) it runs paired: the tiles are a
-// 2-CTA cluster and each converts half of every unit for both (kPaired). The per-tensor fp8
-// source runs paired too where its row tiles come in pairs (H·s_q a multiple of 128).
+// 2-CTA cluster and each converts half of every unit for both (kPaired).
 #pragma once
 
 #include <cuda.h>
@@ -43,8 +44,8 @@
 namespace mla_backend::wgmma {
 
 // Dense sources: T = bf16 or fp16 (q's type), requests are batch entries. Sparse sources:
-// T = bf16, requests are query groups (DecodeParams). kPaired: see RegFp8Producer and
-// KeyProducer; launched as 2-CTA clusters along y (row tiles 2i and 2i + 1). kPrefetch
+// T = bf16, requests are query groups (DecodeParams). kPaired (fp8_ds_mla): see
+// RegFp8Producer; launched as 2-CTA clusters along y (row tiles 2i and 2i + 1). kPrefetch
 // (kSparse16): the producer prefetches each fill's rows to L2 before its release wait.
 template <typename T, KeySource kSrc, bool kPaired, bool kPrefetch>
 __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const __grid_constant__ DecodeParams p,
@@ -98,8 +99,7 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if (tid == 0) TL(1);
   // per-tensor fp8: S = kv_scale * (q . k8); 1 otherwise
   auto read_kv_scale = [&] {
-    return kSrc == KeySource::kPagedFp8 ? (p.kv_scale_ptr != nullptr ? __ldg(p.kv_scale_ptr) : p.kv_scale_value)
-                                        : 1.f;
+    return kPerTensorFp8Of<kSrc> ? (p.kv_scale_ptr != nullptr ? __ldg(p.kv_scale_ptr) : p.kv_scale_value) : 1.f;
   };
   const float scale_log2 = p.scale_log2 * read_kv_scale();
 
@@ -179,21 +179,11 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       }
     } else if (wg == 2) {  // ---- producer warpgroup
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-      using Prod = KeyProducer<T, kSrc, kPaired>;
+      static_assert(kSrc == KeySource::kSparse16, "the dense sources have no producer");
+      using Prod = KeyProducer<T, kSrc>;
       Prod prod{p,     static_cast<const unsigned char*>(p.kv), sKbuf(0), bars, bars + kFills * 8,
                 sMask, Prod::entry_of(wtid), Prod::part_of(wtid), wtid >> 5, lane};
-      prod.peer_delta = peer_delta;
-      typename Prod::Fill pending;
-      auto issue = [&](int b, int h, int slot) {
-        if constexpr (!kPaired) {  // kPaired: load_raw and put (see the fill loop)
-          const auto f = prod.issue(b, h, slot, pending);
-          if (pending.b >= 0) {
-            cp_async_wait<1>();
-            prod.finish(pending);
-          }
-          pending = f;
-        }
-      };
+      auto issue = [&](int b, int h, int slot) { prod.issue(b, h, slot); };
       // bf16 sparse: the next piece's first two entries, loaded during this piece's last pair
       // (loaded at the next piece's start, a new request's index loads would stand between the
       // last pair's fills and the next piece's first)
@@ -203,38 +193,23 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
       for (int u = u_begin; u < u_end;) {
         while (u >= P_at(r + 1)) ++r;
         const int Pr = P_at(r);
-        const int* list = kSparse ? splitkv::sparse_group_indices(p, r) : nullptr;
-        const int rb = kSparse ? r : splitkv::request_entry(p, r);  // dense: its batch entry
-        const int len = kSparse ? splitkv::sparse_group_len(p, r) : __ldg(p.seq_lens + rb);
-        // as the consumers count them: plan_end without an aligned plan's padding (dense)
-        const int pg_begin = u - Pr, plan_end = min(u_end, P_at(r + 1)) - Pr;
-        const int pg_end = kSparse ? plan_end : splitkv::dense_piece_end(plan_end, len, kKeys);
-        // cache slot of this thread's entry of unit pg (-1: zero-filled, masked)
-        // unit pg's entry for this thread as loaded (sparse: the listed slot; dense: the
-        // page's block id; -1: none), and the cache slot it names (-1: zero-filled, masked).
-        // The fp8 sources check the next pair's entries only when that pair starts: a check
-        // right after the load stalls their producer each pair (decode +2 to 4%). The bf16
-        // source checks at once (the later check is no faster there).
+        const int* list = splitkv::sparse_group_indices(p, r);
+        const int len = splitkv::sparse_group_len(p, r);
+        const int pg_begin = u - Pr, pg_end = min(u_end, P_at(r + 1)) - Pr;
+        // unit pg's listed slot for this thread (-1: none), and the cache slot it names (-1:
+        // zero-filled, masked), checked at once
         auto fetch = [&](int pg) {
-          if constexpr (kSparse) {
-            const int pos = pg * kKeys + prod.tk;
-            return pos < len ? __ldg(list + pos) : -1;
-          } else {  // dense: token pg * 64 + tk of the request, on its page's block
-            return pg < p.max_blocks && pg * kKeys + prod.tk < len ? block_of(rb, pg) : -1;
-          }
+          const int pos = pg * kKeys + prod.tk;
+          return pos < len ? __ldg(list + pos) : -1;
         };
-        auto slot_from = [&](int entry) {
-          if constexpr (kSparse) return entry >= 0 && entry < p.num_slots ? entry : -1;
-          // a block id outside the cache (negative: unsigned, so past the end) is masked
-          else return unsigned(entry) < unsigned(p.num_blocks) ? entry * kPage + prod.tk : -1;
-        };
-        // bf16 sparse over a cache larger than L2 (kPrefetch: the decode batches): the second
-        // pair's entries are loaded with the first's (loaded in the first pair's iteration,
-        // they are a second index load in series before the piece's first fill, since the
-        // bf16 source checks them at once): decode at batch 32 -1.5 to -3.5%. The other
-        // instance (prefill) measures +1.5% with it (only a CTA's first piece gains there), so
-        // it keeps the else branch; one form for both changes the other instances' SASS.
-        constexpr bool kSecondPairEarly = kSrc == KeySource::kSparse16 && kPrefetch;
+        auto slot_from = [&](int entry) { return entry >= 0 && entry < p.num_slots ? entry : -1; };
+        // over a cache larger than L2 (kPrefetch: the decode batches): the second pair's
+        // entries are loaded with the first's (loaded in the first pair's iteration, they are a
+        // second index load in series before the piece's first fill): decode at batch 32 -1.5
+        // to -3.5%. The other instance (prefill) measures +1.5% with it (only a CTA's first
+        // piece gains there), so it keeps the else branch; one form for both changes the other
+        // instance's SASS.
+        constexpr bool kSecondPairEarly = kPrefetch;
         int slot_a, slot_b, second_a = -1, second_b = -1;
         if constexpr (kSecondPairEarly) {
           const int entry_a = carried ? carry_a : fetch(pg_begin);
@@ -250,85 +225,40 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
         carried = false;
         for (int pa_ = pg_begin; pa_ < pg_end; pa_ += 2) {
           const bool has_b = pa_ + 1 < pg_end;
-          // the next pair's entries (loads in flight while this pair is issued)
-          constexpr bool kLateCheck = kFp8Of<kSrc>;
-          auto early = [&](int entry) { return kLateCheck ? entry : slot_from(entry); };
+          // the next pair's slots (loads in flight while this pair is issued)
           const bool second = kSecondPairEarly && pa_ == pg_begin;
-          const int next_a = early(second ? second_a : pa_ + 2 < pg_end ? fetch(pa_ + 2) : -1);
-          const int next_b = early(second ? second_b : pa_ + 3 < pg_end ? fetch(pa_ + 3) : -1);
-          if constexpr (kSrc == KeySource::kSparse16) {
-            if (pa_ + 2 >= pg_end && Pr + pg_end < u_end) {  // last pair, and a next piece
-              const int nr = request_of(Pr + pg_end);  // it starts at that request's first unit
-              const int* nlist = splitkv::sparse_group_indices(p, nr);
-              const int nlen = splitkv::sparse_group_len(p, nr);
-              carry_a = prod.tk < nlen ? __ldg(nlist + prod.tk) : -1;
-              carry_b = kKeys + prod.tk < nlen ? __ldg(nlist + kKeys + prod.tk) : -1;
-              carried = true;
-            }
+          const int next_a = slot_from(second ? second_a : pa_ + 2 < pg_end ? fetch(pa_ + 2) : -1);
+          const int next_b = slot_from(second ? second_b : pa_ + 3 < pg_end ? fetch(pa_ + 3) : -1);
+          if (pa_ + 2 >= pg_end && Pr + pg_end < u_end) {  // last pair, and a next piece
+            const int nr = request_of(Pr + pg_end);  // it starts at that request's first unit
+            const int* nlist = splitkv::sparse_group_indices(p, nr);
+            const int nlen = splitkv::sparse_group_len(p, nr);
+            carry_a = prod.tk < nlen ? __ldg(nlist + prod.tk) : -1;
+            carry_b = kKeys + prod.tk < nlen ? __ldg(nlist + kKeys + prod.tk) : -1;
+            carried = true;
           }
-          // bf16: in the order the halves are released (K0 left, K1 right, K0 right, K1 left),
-          // each after a blocking wait (polling K0 left and K1 right for whichever comes free
-          // first costs ~18 instructions per poll, 1.7 M polls per 1024 tokens, and is no faster)
-          if constexpr (kSrc == KeySource::kSparse16) {
-            if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(2);
-            // kPrefetch: each fill's lines to L2 before its release wait (see sparse/sparse_mla.cu)
-            if constexpr (kPrefetch) prod.prefetch_half(slot_a, 0);
-            issue(0, 0, slot_a);
-            if (has_b) {
-              if constexpr (kPrefetch) prod.prefetch_half(slot_b, 1);
-              issue(1, 1, slot_b);
-            }
-            if constexpr (kPrefetch) prod.prefetch_half(slot_a, 1);
-            issue(0, 1, slot_a);
-            if (has_b) {
-              if constexpr (kPrefetch) prod.prefetch_half(slot_b, 0);
-              issue(1, 0, slot_b);
-            }
-            if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(3);
-          } else {
-            // fills (b, h) = (0, 0), (0, 1), (1, 1), (1, 0) in a loop that is not unrolled:
-            // unrolled, each of the 4 call sites inlines its conversions twice (~4400
-            // instructions of producer code) and the producer stalls on instruction fetch 13%
-            // of its time
-            const int n_fills = has_b ? 4 : 2;
-#pragma unroll 1
-            for (int k = 0; k < n_fills; ++k) {
-              const int b = k >> 1, h = (k == 1 || k == 2) ? 1 : 0;
-              if constexpr (kPaired) {  // the fill's bytes into registers, then its release wait
-                typename Prod::Raw raw;
-                prod.load_raw(h, b == 0 ? slot_a : slot_b, raw);
-                prod.put(b, h, raw);
-              } else {
-                issue(b, h, b == 0 ? slot_a : slot_b);
-              }
-            }
+          // in the order the halves are released (K0 left, K1 right, K0 right, K1 left), each
+          // after a blocking wait (polling K0 left and K1 right for whichever comes free first
+          // costs ~18 instructions per poll, 1.7 M polls per 1024 tokens, and is no faster)
+          if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(2);
+          // kPrefetch: each fill's lines to L2 before its release wait (see sparse/sparse_mla.cu)
+          if constexpr (kPrefetch) prod.prefetch_half(slot_a, 0);
+          issue(0, 0, slot_a);
+          if (has_b) {
+            if constexpr (kPrefetch) prod.prefetch_half(slot_b, 1);
+            issue(1, 1, slot_b);
           }
-          slot_a = kLateCheck ? slot_from(next_a) : next_a;
-          slot_b = kLateCheck ? slot_from(next_b) : next_b;
-          if constexpr (kPaired) {
-            // the next pair's pages to L2 as soon as their block ids are known, one bulk
-            // prefetch a page (CTA rank r: page r of the pair), so the register loads before
-            // each release wait read L2 rather than HBM (-1 to -7% on the paired rows; on the
-            // unpaired producer it measured within noise, so it has none)
-            const int slot = cute::block_rank_in_cluster() == 0 ? slot_a : slot_b;
-            if (wtid == 0 && slot >= 0) {  // the page's bytes, as a 16-byte aligned span
-              const uintptr_t a = reinterpret_cast<uintptr_t>(p.kv) + uintptr_t(slot / kPage) * p.kv_stride_block;
-              const uintptr_t end = a + uintptr_t(kPage - 1) * p.kv_stride_tok + kDqk;
-              const uintptr_t a16 = a & ~uintptr_t(15);
-              cute::SM90_BULK_COPY_G2S::PREFETCH::copy(reinterpret_cast<const void*>(a16),
-                                                       int32_t((end - a16 + 15) & ~uintptr_t(15)));
-            }
+          if constexpr (kPrefetch) prod.prefetch_half(slot_a, 1);
+          issue(0, 1, slot_a);
+          if (has_b) {
+            if constexpr (kPrefetch) prod.prefetch_half(slot_b, 0);
+            issue(1, 0, slot_b);
           }
+          if (wtid == 0 && pa_ == pg_begin && u == u_begin) TL(3);
+          slot_a = next_a;
+          slot_b = next_b;
         }
-        u = Pr + plan_end;
-      }
-      if constexpr (!kPaired) {
-        if (pending.b >= 0) {
-          cp_async_wait<0>();
-          prod.finish(pending);
-        }
-      } else {
-        cute::cluster_sync();  // see the end of the kernel
+        u = Pr + pg_end;
       }
       return;
     }

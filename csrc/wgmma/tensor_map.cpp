@@ -96,6 +96,21 @@ CUtensorMap make_kv_map(const DecodeParams& p, bool bf16) {
   return map;
 }
 
+CUtensorMap make_kv_map_fp8(const DecodeParams& p) {
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {cuuint64_t(kDqk), cuuint64_t(kPage), cuuint64_t(p.num_blocks)};
+  const cuuint64_t strides[2] = {cuuint64_t(p.kv_stride_tok), cuuint64_t(p.kv_stride_block)};
+  const cuuint32_t box[3] = {128, 64, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(p.kv), dims,
+                                          strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  STD_TORCH_CHECK(r == CUDA_SUCCESS, "mla_decode: cuTensorMapEncodeTiled failed for the fp8 cache with error ", int(r),
+                  " (kv_cache must be 16-byte aligned with 16-byte multiple strides)");
+  return map;
+}
+
 QMaps make_q_maps(const DecodeParams& p, int box_rows) {
   const int64_t nope_strides[3] = {p.q_stride_h, p.q_stride_s, p.q_stride_b};
   const int64_t pe_strides[3] = {p.qpe_stride_h, p.qpe_stride_s, p.qpe_stride_b};

@@ -1,5 +1,5 @@
-// TMA tensor maps (host): the paged cache for the dense kPagedTma source, q for the sparse
-// sources and (kDenseQTmaOf builds) for kPagedTma.
+// TMA tensor maps (host): the paged cache for the dense TMA-page sources (kTmaPagesOf), q for
+// the sparse sources and (kDenseQTmaOf builds) for the dense ones.
 #pragma once
 
 #include <cuda.h>
@@ -17,6 +17,11 @@ namespace mla_backend::wgmma {
 // The paged cache as [num_blocks][64][576] 16-bit values with the cache's own strides (a
 // layer's view of a cross-layer buffer works), 64x64 boxes, 128-byte swizzle.
 CUtensorMap make_kv_map(const splitkv::DecodeParams& p, bool bf16);
+
+// The same cache holding per-tensor fp8 e4m3 bytes, for kPagedFp8: 128-byte x 64-token
+// boxes (two 64-column chunks of raw values each; the box at byte 512 ends past the token's 576
+// bytes and reads zeros there), 128-byte swizzle.
+CUtensorMap make_kv_map_fp8(const splitkv::DecodeParams& p);
 
 // The sparse query (bf16) in its two parts, each [B, s_q, H, width] with its own strides
 // (p.q / p.q_stride_*: the 512 latent columns, p.q_pe / p.qpe_stride_*: the 64 rope columns;

@@ -34,6 +34,10 @@ DENSE_ONE_PAGE_MAX_TILES = 4
 # s_q 1 and 2, batch 1-8, 1k/4k/16k; docs/notes/2026-11-27-fp8-small-steps.md): one page took
 # 0.4-2.1 us (3-14%) off batch 1-4 at 1k and batch 1-2 at 4k and moved the other rows by at most
 # 0.5 us; at two and four row tiles it lost up to 0.9 us (batch 2-4, 1k), so they keep 128.
+# Measured again with the pages converted by the consumers (2026-11-28, H 16 and 64, s_q 1 and
+# 2, batch 1-8, 1k and 4k; bench/results/dense_decode_fp8_consumer_conversion-h100-80gb-hbm3-
+# 2026-11-28.json, c3): 128 keys was 4-10% slower at batch 1-4 at 1k and batch 1 at 4k, and
+# within 0.6 us elsewhere (2-4% faster at batch 2, 4k).
 MIN_TOKENS_PER_CTA_FP8_ONE_TILE = 64
 
 # Dense decode's kernel for few query rows (s_q * H <= MMA_MAX_ROWS: the head counts of TP 8 and
@@ -47,7 +51,10 @@ MIN_TOKENS_PER_CTA_FP8_ONE_TILE = 64
 # dense_decode_fp8_few_rows_mma-h100-80gb-hbm3-2026-11-27.json, call c9) the plan sees the
 # batch, not the lengths: from 16 requests the mma.sync kernel took 20 to 29% less time at 4k
 # and 16k keys and lost up to 21% at 1k (geometric mean over those rows -10% at batch 16); at
-# 8 requests it lost at 1k and 4k (up to 50%) and gained at 16k (19 to 26%).
+# 8 requests it lost at 1k and 4k (up to 50%) and gained at 16k (19 to 26%). Against the wgmma
+# kernel with the pages converted by its consumers (2026-11-28, H 16, s_q 1, 4k; the json of
+# MIN_TOKENS_PER_CTA_FP8_ONE_TILE, c1 and c2): level at batch 32 (62-64 us per layer on either)
+# and 13% faster at batch 128 (177-178 against 201-205 us).
 # Read at each plan (bench/dense_decode.py --mma-max-rows, --mma-min-batch); set them before
 # making a workspace: its plans are cached per batch size.
 MMA_MAX_ROWS = 16

@@ -3,13 +3,13 @@ GPCs with odd SM counts, than the plan assumed) against the float32 reference.
 
 A plan made for four times this GPU's SMs (num_sms) has four times the CTAs, so its pairs of
 row tiles cannot all be resident together. The launchers then run every kernel without
-clusters: the fp8 kernels that share each page's conversion between two CTAs (dense per-tensor
-fp8 and sparse fp8_ds_mla at two or more row tiles) fall back to their unpaired twins, and the
-16-bit kernels that cluster only for placement launch plain grids. Each case checks the answer
-and, with the profiler, which kernel ran. The same shapes planned for this GPU run paired,
-which the same check confirms, so the fallback case is not passing on the paired kernel (on
-the H100 and the H200 every pair of a one-wave plan fits; a GPU where they do not would fail
-that case, and would run those launches unpaired).
+clusters: sparse fp8_ds_mla at two or more row tiles, which shares each page's conversion
+between two CTAs, falls back to its unpaired twin, and the kernels that cluster only for
+placement (dense, both cache types, and sparse bf16) launch plain grids. Each case checks the
+answer and, with the profiler, which kernel ran. The same shapes planned for this GPU run
+paired, which the same check confirms, so the fallback case is not passing on the paired
+kernel (on the H100 and the H200 every pair of a one-wave plan fits; a GPU where they do not
+would fail that case, and would run those launches unpaired).
 """
 
 import pytest
@@ -79,8 +79,8 @@ def test_dense_pairs_that_do_not_fit_run_unpaired(heads, s_q, kv_fp8, sms_factor
     want, want_lse = ref.mla_decode(q, cache, table, seq, None, SCALE, kv_scale=kv_scale)
     assert_attention_close(out, lse, want, want_lse, DENSE_OUT_TOL[q.dtype], what,
                            keys=dense_row_keys(seq, s_q, True))
-    # only the fp8 kernel has paired instantiations; the 16-bit one clusters for placement
-    assert _paired(names) == (paired and kv_fp8), what
+    # no dense kernel has a paired instantiation: both cache types cluster for placement only
+    assert not _paired(names), what
 
 
 @pytest.mark.parametrize("sms_factor,paired", [(1, True), (4, False)])

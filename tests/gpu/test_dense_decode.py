@@ -465,9 +465,9 @@ def test_few_rows_on_each_kernel(few_rows_kernel, heads, s_q, kv_fp8):
     assert plan.rows_per_cta == (16 if few_rows_kernel == "mma.sync" else 64)
 
 
-# rows = s_q * H <= 16: either kernel (the few_rows_kernel fixture); more: the wgmma kernel's
-# fp8 producer, paired (each page converted once for two row tiles) where the 64-row tiles
-# come in pairs (H 128; H 64 at even s_q; H 16 at s_q 8), alone otherwise
+# rows = s_q * H <= 16: either kernel (the few_rows_kernel fixture); more: the wgmma kernel,
+# whose consumers convert each page's raw bytes in place, at 1, 2 (a 2-CTA cluster where the
+# pairs fit), 4 and 8 row tiles
 @pytest.mark.parametrize("heads", [1, 16, 20, 64, 128])
 @pytest.mark.parametrize("s_q", range(1, 9))
 def test_fp8_cache_heads_and_query_lengths(heads, s_q):
@@ -507,7 +507,7 @@ def test_fp8_cache_fp16_tensor_scale_strided(heads):
 # exponent is a wrong output, not a rounding
 @pytest.mark.parametrize("population", ["every", "subnormal", "largest"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads", [8, 64, 128])  # few rows (either kernel), one tile, paired tiles
+@pytest.mark.parametrize("heads", [8, 64, 128])  # few rows (either kernel), one tile, two tiles
 def test_fp8_cache_every_e4m3_code(population, dtype, heads):
     _check_fp8([700, 64, 5], 1, heads, dtype=dtype, population=population)
 

@@ -1,6 +1,7 @@
-// Dense decode, 64-row tiles, q bf16: the bf16 cache (pages by TMA) and the per-tensor fp8 cache
-// (producer warpgroup). One translation unit for both: compiled alone, the TMA kernel comes
-// out 8 instructions longer (the optimizer's choices depend on what else the unit holds).
+// Dense decode, 64-row tiles, q bf16: the bf16 cache and the per-tensor fp8 cache (pages by
+// TMA; the fp8 bytes converted by the consumers). One translation unit for both: compiled alone,
+// the 16-bit kernel comes out 8 instructions longer (the optimizer's choices depend on what else
+// the unit holds).
 #include "wgmma/launch.cuh"
 
 namespace mla_backend::wgmma {
