@@ -20,7 +20,7 @@ void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor
                 const Tensor& block_table, const Tensor& seq_lens, const Tensor& metadata, Tensor& partial_out,
                 Tensor& partial_lse, Tensor& out, Tensor& lse, int64_t num_ctas,
                 int64_t rows_per_cta, double softmax_scale, bool causal,
-                const std::optional<Tensor>& kv_scale, double kv_scale_value);
+                const std::optional<Tensor>& kv_scale, double kv_scale_value, bool fp16_operands);
 
 void plan_sparse_decode(const std::optional<Tensor>& topk_length, Tensor& metadata,
                         int64_t q_tokens_per_req, int64_t topk, int64_t num_ctas, int64_t min_units,

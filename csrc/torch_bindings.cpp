@@ -15,7 +15,7 @@ STABLE_TORCH_LIBRARY(mla_backend, m) {
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor metadata, "
       "Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, Tensor(d!) lse, "
       "int num_ctas, int rows_per_cta, float softmax_scale, bool causal, Tensor? kv_scale, "
-      "float kv_scale_value) -> ()");
+      "float kv_scale_value, bool fp16_operands) -> ()");
   m.def(
       "plan_sparse_decode(Tensor? topk_length, Tensor(a!) metadata, int q_tokens_per_req, int topk, "
       "int num_ctas, int min_units, int unit_tokens) -> ()");

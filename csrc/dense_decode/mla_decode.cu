@@ -63,7 +63,7 @@ void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor
                 const Tensor& block_table, const Tensor& seq_lens, const Tensor& metadata, Tensor& partial_out,
                 Tensor& partial_lse, Tensor& out, Tensor& lse, int64_t num_ctas,
                 int64_t rows_per_cta, double softmax_scale, bool causal,
-                const std::optional<Tensor>& kv_scale, double kv_scale_value) {
+                const std::optional<Tensor>& kv_scale, double kv_scale_value, bool fp16_operands) {
   // mla_backend.ops validates shapes and dtypes; re-check what memory safety needs.
   // q: whole rows [B, s_q, H, 576], or their latent part [B, s_q, H, 512] with q_pe the rope part
   STD_TORCH_CHECK(q.dim() == 4 && q.size(3) == (q_pe.has_value() ? kDv : kDqk) && q.stride(3) == 1,
@@ -128,8 +128,12 @@ void mla_decode(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor
     }
   } else if (rows_per_cta == 64) {
     using wgmma::KeySource;
+    // per-tensor fp8: the tiles converted to q's type, or (fp16_operands, a bf16 q) to fp16 with
+    // Q converted once per piece; an fp16 q is fp16 either way
     if (fp8) {
-      if (bf16) wgmma::launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8, false, false>(p, stream, true);
+      if (bf16 && fp16_operands)
+        wgmma::launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8F16, false, false>(p, stream, true);
+      else if (bf16) wgmma::launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8, false, false>(p, stream, true);
       else wgmma::launch_decode_wgmma<__half, KeySource::kPagedFp8, false, false>(p, stream, true);
     } else {
       if (bf16) wgmma::launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedTma, false, false>(p, stream, true);

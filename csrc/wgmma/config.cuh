@@ -21,7 +21,8 @@ using cutlass::arch::ClusterTransactionBarrier;
 enum class KeySource {
   kPagedTma,    // dense paged decode, 16-bit cache: TMA loads whole 64-token pages (no producer)
   kPagedFp8,    // dense paged decode, per-tensor fp8 e4m3 cache (576 bytes per token): raw pages by
-                // TMA, converted in place by the consumers (fp8_tile.cuh)
+                // TMA, converted in place by the consumers to q's type (fp8_tile.cuh)
+  kPagedFp8F16, // ... converted to fp16 whatever q's type, a bf16 Q converted once per piece
   kSparse16,    // sparse (DSA) decode / prefill over a bf16 cache
   kSparseDsMla  // sparse over the 656-byte fp8_ds_mla cache (split schedule, RegFp8Producer)
 };
@@ -65,11 +66,12 @@ template <KeySource kSrc> constexpr bool kMaskFreeOf = !kSparseOf<kSrc>;
 template <KeySource kSrc> constexpr bool kFoldScaleOf = kSrc == KeySource::kPagedTma;
 // The dense sources whose pages come by TMA, issued by a consumer thread at each release: no
 // producer warpgroup (256 threads); every other source has one that fills the K buffers
-template <KeySource kSrc> constexpr bool kTmaPagesOf = kSrc == KeySource::kPagedTma || kSrc == KeySource::kPagedFp8;
+template <KeySource kSrc> constexpr bool kTmaPagesOf =
+    kSrc == KeySource::kPagedTma || kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kPagedFp8F16;
 template <KeySource kSrc> constexpr bool kProducedOf = !kTmaPagesOf<kSrc>;
 template <KeySource kSrc> constexpr int kThreadsOf = kTmaPagesOf<kSrc> ? 256 : 384;
 // per-tensor fp8: S = kv_scale * (q . k8) and O = kv_scale * (P . v8), kv_scale read on the GPU
-template <KeySource kSrc> constexpr bool kPerTensorFp8Of = kSrc == KeySource::kPagedFp8;
+template <KeySource kSrc> constexpr bool kPerTensorFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kPagedFp8F16;
 // The grid's order: the dense 16-bit kernel's row tiles are blockIdx.x and its plan CTAs
 // blockIdx.y, so the CTAs that read the same pages are consecutive blocks and start together
 // (FlashMLA's order; 4 and 8 tiles: batch 1 -3 to -5%, batch >= 32 -1.5% against the plan's

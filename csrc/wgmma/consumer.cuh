@@ -28,6 +28,7 @@
 #include <cute/arch/copy_sm90.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include <type_traits>
 #include <utility>
 
 #include "common/convert.cuh"
@@ -90,7 +91,11 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   constexpr bool kProduced = kProducedOf<kSrc>;
   constexpr bool kQTma = kQTmaOf<kSrc>;
   constexpr bool kDenseQTma = kDenseQTmaOf<kSrc>;
-  constexpr bool kConverts = kSrc == KeySource::kPagedFp8;  // raw fp8 pages, see fp8_tile.cuh
+  constexpr bool kConverts = kPerTensorFp8Of<kSrc>;  // raw fp8 pages, see fp8_tile.cuh
+  // the wgmmas' operand type: kPagedFp8F16, fp16 (a bf16 Q converted per piece, each row scaled
+  // by a power of two whose inverse joins that row's softmax scale); else q's type
+  using Op = std::conditional_t<kSrc == KeySource::kPagedFp8F16, __half, T>;
+  constexpr bool kQToF16 = kSrc == KeySource::kPagedFp8F16 && !std::is_same_v<T, __half>;
   // the kernel's locals under their own names, bound once here (see consumer_steps.cuh)
   auto& smem = c.smem;
   auto& base = c.base;
@@ -216,8 +221,8 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       mbar_wait(bars + bit * 8, (phases >> bit) & 1);
       phases ^= 1u << bit;
       unsigned char* tile = smem + (sKbuf(b) - base);
-      if (rc == 8) convert_raw_rope<T>(tile, wtid);
-      else convert_raw_chunk<T>(tile, rc, wtid);
+      if (rc == 8) convert_raw_rope<Op>(tile, wtid);
+      else convert_raw_chunk<Op>(tile, rc, wtid);
       cutlass::arch::fence_view_async_shared();
       named_sync(kBarWg0 + wg, 128);  // the warpgroup's wgmmas read every thread's rows
     } else {
@@ -248,9 +253,10 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   float s[32];         // S of this warpgroup's current unit, then its P (fp32)
   uint32_t q8[4][4];   // kPagedTma: Q's rope chunk (columns 512-575) as wgmma A fragments
   float l_run[2];      // row sums of P
-  Gemms<T, kSrc, kPaired, decltype(wait_chunk)> mm{wait_chunk, dQ, dK0, dK1, dV0, dV1, s, o, q8};
+  float row_scale[2] = {scale_log2, scale_log2};  // kQToF16: rows wrow, wrow + 8's (set per piece)
+  Gemms<Op, kSrc, kPaired, decltype(wait_chunk)> mm{wait_chunk, dQ, dK0, dK1, dV0, dV1, s, o, q8};
   auto nothing = [] {};
-  Softmax<T, kSrc, kPaired> sx{p, s, o, sM, sMask, smem, base, scale_log2, row0, wrow, qd, wtid, lane};
+  Softmax<Op, kSrc, kPaired> sx{p, s, o, sM, sMask, smem, base, scale_log2, row0, wrow, qd, wtid, lane, row_scale};
 
   // ---- the CTA's unit range, one request piece at a time
   int r = request_of(u_begin);
@@ -312,6 +318,13 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     cp_async_wait<0>();
     cutlass::arch::fence_view_async_shared();
     consumers_sync();
+    }
+    if constexpr (kQToF16) {  // Q -> fp16 in place, each row's 2^-k (fp8_tile.cuh) through sSum
+      q_rows_to_f16(smem + (sQ - base), sSum, tid);
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      row_scale[0] = sSum[wrow] * scale_log2;
+      row_scale[1] = sSum[wrow + 8] * scale_log2;
     }
     if constexpr (!kProduced) {
 #pragma unroll

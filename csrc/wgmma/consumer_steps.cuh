@@ -114,7 +114,11 @@ struct Softmax {
   const int& qd;
   const int& wtid;
   const int& lane;
+  // kPagedFp8F16: the scale of rows wrow and wrow + 8 (scale_log2 times the inverse of the power
+  // of two a bf16 Q row was scaled by on its way to fp16; scale_log2 for an fp16 q)
+  const float (&row_scale)[2];
   static constexpr bool kFold = kFoldScaleOf<kSrc>;
+  static constexpr bool kRowScaled = kSrc == KeySource::kPagedFp8F16;
   // scale S to the log2 domain and mask keys past each row's limit (dense) or not valid in
   // the unit's mask (sparse: written by the producer with the fill); row maxima of this unit,
   // in the log2 domain. kMask = false (dense): every key is inside every row's limit, no test.
@@ -168,7 +172,7 @@ struct Softmax {
           const bool ok = !kMask || (kSparse ? (valid[key >> 4] >> (2 * (key & 15))) & 1 : tok0 + key < limit);
           float& v = s[n * 4 + hr * 2 + e];
           if constexpr (kFold) v = ok ? v : -INFINITY;
-          else v = ok ? v * scale_log2 : -INFINITY;
+          else v = ok ? v * (kRowScaled ? row_scale[hr] : scale_log2) : -INFINITY;
           mx = fmaxf(mx, v);
         }
       }

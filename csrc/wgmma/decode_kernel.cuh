@@ -1,10 +1,12 @@
 // MLA decode for 64-row tiles with wgmma (sm_90a): two consumer warpgroups alternating
 // 64-key units ("seesaw"; the idea is FlashMLA's, this code is ours). One kernel template,
-// four key sources (KeySource in config.cuh):
+// five key sources (KeySource in config.cuh):
 //   kPagedTma    dense paged decode, 16-bit cache: TMA loads whole 64-token pages (256 threads);
 //   kPagedFp8    dense paged decode, per-tensor fp8 e4m3 cache (576 bytes per token): TMA loads
-//                each page's raw bytes and the consumers convert them in place (fp8_tile.cuh;
-//                256 threads);
+//                each page's raw bytes and the consumers convert them in place to q's type
+//                (fp8_tile.cuh; 256 threads);
+//   kPagedFp8F16 ... converted to fp16, the wgmmas on fp16 operands (a bf16 Q converted once
+//                per request piece);
 //   kSparse16    sparse (DSA) decode / prefill over a bf16 cache, and
 //   kSparseDsMla ... over the 656-byte fp8_ds_mla cache: for these two a third, producer
 //                warpgroup gathers the 64 listed tokens of each unit (384 threads): with

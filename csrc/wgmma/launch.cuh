@@ -27,7 +27,7 @@ bool launch_decode_wgmma(const DecodeParams& p, cudaStream_t stream, bool combin
   CUtensorMap kv_map{};  // the producer sources copy keys without a tensor map
   QMaps q_maps{};
   if constexpr (kSrc == KeySource::kPagedTma) kv_map = make_kv_map(p, std::is_same_v<T, __nv_bfloat16>);
-  if constexpr (kSrc == KeySource::kPagedFp8) kv_map = make_kv_map_fp8(p);
+  if constexpr (kPerTensorFp8Of<kSrc>) kv_map = make_kv_map_fp8(p);
   if constexpr (kQTmaOf<kSrc>) q_maps = make_q_maps(p, kRows);
   if constexpr (kDenseQTmaOf<kSrc>) {  // otherwise the kernel copies Q with cp.async (dense_q_by_tma)
     if (dense_q_by_tma(p)) q_maps = make_dense_q_maps(p, std::is_same_v<T, __nv_bfloat16>);

@@ -18,7 +18,7 @@ namespace mla_backend::wgmma {
 // layer's view of a cross-layer buffer works), 64x64 boxes, 128-byte swizzle.
 CUtensorMap make_kv_map(const splitkv::DecodeParams& p, bool bf16);
 
-// The same cache holding per-tensor fp8 e4m3 bytes, for kPagedFp8: 128-byte x 64-token
+// The same cache holding per-tensor fp8 e4m3 bytes, for kPagedFp8(F16): 128-byte x 64-token
 // boxes (two 64-column chunks of raw values each; the box at byte 512 ends past the token's 576
 // bytes and reads zeros there), 128-byte swizzle.
 CUtensorMap make_kv_map_fp8(const splitkv::DecodeParams& p);

@@ -61,6 +61,18 @@ MMA_MAX_ROWS = 16
 MMA_MIN_BATCH_16BIT: int | None = None
 MMA_MIN_BATCH_FP8: int | None = 16
 
+# The wgmma kernel on a per-tensor fp8 cache with a bf16 q: its consumers convert each page to
+# fp16 (one instruction per pair of values) rather than bf16 (four), and then convert Q to fp16
+# once per request piece (each row scaled by a power of two of its own), from this many requests
+# on (None: never). The Q conversion costs each CTA ~0.8 us; each page saves ~0.4. Measured on
+# the H100 (2026-11-28, H 16/64/128, s_q 1 and 2, batch 1-128, 1k/4k/16k; bench/results/
+# dense_decode_fp8_fp16_operands-h100-80gb-hbm3-2026-11-28.json), fp16 against bf16 operands:
+# batch 1 +4 to +7.5% at 1k and 4k, -3 to +1.5% at 16k; batch 4 +0 to +6% at 1k, -4 to -8% at
+# 16k; batch 8 +2.7 to +3.8% at 1k on one row tile, -0.2 to -8% elsewhere; batch 16 to 128
+# -2.7 to -16% on every row the wgmma kernel runs.
+# Read at each call (set it before capturing a CUDA graph).
+FP8_FP16_OPERANDS_MIN_BATCH: int | None = 8
+
 # Dense decode of requests that all have the same length: each CTA takes whole requests (none
 # split: no partials, nothing to merge) when that gives a CTA at most this many units (pages
 # of the wgmma kernel, 32-key units of the mma.sync kernel), or 1/32 of the balanced share if

@@ -79,6 +79,14 @@ def _uses_mma(rows: int, batch: int, kv_fp8: bool) -> bool:
     return rows <= min(cost_model.MMA_MAX_ROWS, 16) and min_batch is not None and batch >= min_batch
 
 
+def _fp16_operands(plan: DecodePlan) -> bool:
+    """Whether the wgmma kernel on a per-tensor fp8 cache converts the pages to fp16 (a bf16 q
+    converted once per request piece) rather than to q's type: cost_model's
+    FP8_FP16_OPERANDS_MIN_BATCH, read at each call. The mma.sync kernel and an fp16 q ignore it."""
+    min_batch = cost_model.FP8_FP16_OPERANDS_MIN_BATCH
+    return plan.kv_fp8 and min_batch is not None and plan.batch >= min_batch
+
+
 def _tile(mma: bool) -> tuple[int, int, int]:
     """(rows per CTA, tokens per work unit, CTAs per SM) of a kernel, for a 16-bit and a
     per-tensor fp8 cache alike (both kernels convert fp8 pages in shared memory). The mma.sync
@@ -437,6 +445,6 @@ def mla_decode(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_cache: to
         plan.rows_per_cta, float(softmax_scale), bool(causal),
         kv_scale if isinstance(kv_scale, torch.Tensor) else None,
         float(kv_scale) if kv_scale is not None and not isinstance(kv_scale, torch.Tensor)
-        else 1.0)
+        else 1.0, _fp16_operands(plan))
     return out, lse
 

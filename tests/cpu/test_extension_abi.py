@@ -28,7 +28,7 @@ SCHEMAS = {
         "mla_backend::mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
         "Tensor metadata, Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) out, "
         "Tensor(d!) lse, int num_ctas, int rows_per_cta, float softmax_scale, bool causal, "
-        "Tensor? kv_scale, float kv_scale_value) -> ()"),
+        "Tensor? kv_scale, float kv_scale_value, bool fp16_operands) -> ()"),
     "plan_decode": (
         "mla_backend::plan_decode(Tensor seq_lens, Tensor(a!) metadata, int num_ctas, "
         "int min_units, int unit_tokens, int whole_extra, int align_extra, int restart_pad, "
@@ -102,7 +102,7 @@ def _dense_call(partial_dtype, q_dtype=torch.bfloat16):
     return (torch.zeros(2, 1, 16, 576, dtype=q_dtype), None, torch.zeros(3, 64, 576, dtype=q_dtype),
             _i32(2, 3), _i32(2), _i32(4), torch.zeros(8, 16, 512, dtype=partial_dtype),
             _f32(8, 16), torch.zeros(2, 1, 16, 512, dtype=q_dtype), _f32(2, 1, 16), 4, 16, 0.1,
-            True, None, 1.0)
+            True, None, 1.0, False)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
@@ -147,17 +147,17 @@ CHECK_CASES = [
     ("mla_decode",
      lambda: (_bf16(2, 576), None, _bf16(3, 64, 576), _i32(2, 3), _i32(2), _i32(4),
               _f32(8, 16, 512), _f32(8, 16), _bf16(2, 1, 16, 512), _f32(2, 1, 16), 4, 16, 0.1,
-              False, None, 1.0),
+              False, None, 1.0, False),
      "mla_decode: bad q"),
     ("mla_decode",  # the optional kv_scale given
      lambda: (_bf16(2, 576), None, _bf16(3, 64, 576), _i32(2, 3), _i32(2), _i32(4),
               _f32(8, 16, 512), _f32(8, 16), _bf16(2, 1, 16, 512), _f32(2, 1, 16), 4, 64, 0.1,
-              True, _f32(1), 1.0),
+              True, _f32(1), 1.0, True),
      "mla_decode: bad q"),
     ("mla_decode",  # q is the latent part: the rope part must match it
      lambda: (_bf16(2, 1, 16, 512), _bf16(2, 1, 8, 64), _bf16(3, 64, 576), _i32(2, 3), _i32(2),
               _i32(4), _f32(8, 16, 512), _f32(8, 16), _bf16(2, 1, 16, 512), _f32(2, 1, 16), 4,
-              16, 0.1, False, None, 1.0),
+              16, 0.1, False, None, 1.0, False),
      "mla_decode: bad q_pe"),
     ("plan_sparse_decode", lambda: (None, torch.zeros(4, dtype=torch.int64), 1, 64, 4, 1, 64),
      "plan_sparse_decode: metadata must be contiguous int32 [groups + 2] on CUDA"),

@@ -16,6 +16,7 @@ tests/gpu/test_negative_controls.py shows that this comparison fails on wrong va
 """
 
 from itertools import pairwise
+from unittest import mock
 
 import pytest
 import torch
@@ -442,13 +443,19 @@ def _check_fp8(lens, s_q, heads, dtype=torch.bfloat16, scale_as_tensor=False, st
         cache = big[:, 1]
     scale_arg = torch.tensor([kv_scale], device="cuda") if scale_as_tensor else kv_scale
     plan = ops.plan_decode(seq, s_q, heads, kv_cache_dtype=torch.float8_e4m3fn)
-    got, lse = _run(q, cache, table, seq, plan, SCALE, kv_scale=scale_arg)
-    # the reference dequantizes the same fp8 bytes; the kernel converts them exactly (every
-    # e4m3 value is a bf16 and an fp16) and folds kv_scale into S and O in float32, so its
-    # roundings are those of a 16-bit cache
-    _compare(got, lse, q, cache, table, seq, SCALE,
-             _name(lens, s_q, heads, dtype, fp8_scale=kv_scale, population=population),
-             kv_scale=kv_scale)
+    # the wgmma kernel's two operand types (cost_model.FP8_FP16_OPERANDS_MIN_BATCH picks one
+    # by the batch): the pages converted to q's type, and to fp16 with Q converted per piece
+    for fp16_from in (None, 1):
+        with mock.patch.object(ops.cost_model, "FP8_FP16_OPERANDS_MIN_BATCH", fp16_from):
+            got, lse = _run(q, cache, table, seq, plan, SCALE, kv_scale=scale_arg)
+        # the reference dequantizes the same fp8 bytes; the kernel converts them exactly (every
+        # e4m3 value is a bf16 and an fp16; a bf16 q row scaled by a power of two is an fp16
+        # row) and folds kv_scale into S and O in float32, so its roundings are those of a
+        # 16-bit cache
+        _compare(got, lse, q, cache, table, seq, SCALE,
+                 _name(lens, s_q, heads, dtype, fp8_scale=kv_scale, population=population,
+                       fp16_operands=fp16_from is not None),
+                 kv_scale=kv_scale)
     return plan
 
 

@@ -10,5 +10,7 @@ template bool launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedTma, false, fa
     const DecodeParams& p, cudaStream_t stream, bool combine);
 template bool launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8, false, false>(
     const DecodeParams& p, cudaStream_t stream, bool combine);
+template bool launch_decode_wgmma<__nv_bfloat16, KeySource::kPagedFp8F16, false, false>(
+    const DecodeParams& p, cudaStream_t stream, bool combine);
 
 }  // namespace mla_backend::wgmma
