@@ -394,6 +394,22 @@ def test_dense_kernel_rule_follows_cost_model(monkeypatch, max_rows, min_batch, 
         assert ops._uses_mma(rows, batch, kv_fp8) is want
 
 
+@pytest.mark.parametrize("min_batch,batch,kv_fp8,want", [
+    (8, 7, True, False), (8, 8, True, True), (8, 300, True, True),  # fp16 tiles from 8 requests
+    (8, 64, False, False),                                        # 16-bit cache: none to convert
+    (None, 300, True, False), (1, 1, True, True),                 # never / always
+])
+def test_fp8_fp16_operands_rule_follows_cost_model(monkeypatch, min_batch, batch, kv_fp8, want):
+    # the wgmma kernel's fp8 tiles in fp16 (a bf16 Q converted per piece) from
+    # FP8_FP16_OPERANDS_MIN_BATCH requests, read at each mla_decode call
+    from mla_backend.ops import cost_model
+
+    monkeypatch.setattr(cost_model, "FP8_FP16_OPERANDS_MIN_BATCH", min_batch)
+    plan = _args(batch=batch, heads=128)["plan"]
+    plan = ops.DecodePlan(**{**plan.__dict__, "kv_fp8": kv_fp8})
+    assert ops.dense._fp16_operands(plan) is want
+
+
 @pytest.mark.parametrize("sms", [132, 114])
 def test_grids_fill_one_wave(sms):
     # for every row count: all CTAs of all row tiles are resident at once (one wave: the
