@@ -546,9 +546,11 @@ def test_fp8_cache_one_long_request_many_splits_and_page_tails(heads):
     _check_fp8([30001, 65, 127], 1, heads)
 
 
+@pytest.mark.parametrize("fp16_from", [None, 1])  # the wgmma kernel's tiles: q's type, fp16
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [16, 64, 128])
-def test_fp8_cache_cuda_graph(heads, dtype):
+def test_fp8_cache_cuda_graph(heads, dtype, fp16_from, monkeypatch):
+    monkeypatch.setattr(ops.cost_model, "FP8_FP16_OPERANDS_MIN_BATCH", fp16_from)
     lens = [2000, 64, 900]
     q, cache16, table, seq = paged_case(lens, 1, heads, dtype=dtype, device="cuda",
                                         seed=case_seed("fp8 graph", heads, dtype))
