@@ -91,8 +91,9 @@ Bench only: --min-tokens-per-cta N plans ours with at least N keys per CTA inste
 library's cost_model.MIN_TOKENS_PER_CTA (plan_decode's _min_tokens_per_cta), to sweep the split
 minimum in one call; the results file records it as min_tokens_per_cta (null: the default).
 --mma-max-rows N and --mma-min-batch B replace the library's rule for the kernel of few query
-rows (cost_model: the mma.sync kernel up to MMA_MAX_ROWS = 16 rows, s_q * H, from MMA_MIN_BATCH_*
-requests on, per cache dtype; else the wgmma kernel): 0 rows puts every step on the wgmma kernel,
+rows (cost_model: the mma.sync kernel up to MMA_MAX_ROWS = 16 rows, s_q * H, MMA_MAX_ROWS_FP8 = 8
+on an fp8 cache, from MMA_MIN_BATCH_* requests on, per cache dtype; else the wgmma kernel); N
+sets both row caps: 0 rows puts every step on the wgmma kernel,
 batch 1 every step of <= N rows on the mma.sync kernel. Recorded as mma_max_rows, mma_min_batch
 (null: the default). --equal-lengths gives every request exactly the mean length (as SGLang's
 and FlashInfer's decode benchmarks do); --whole-extra N replaces the library's
@@ -557,8 +558,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "library's MIN_TOKENS_PER_CTA (to sweep the split minimum)")
     ap.add_argument("--mma-max-rows", type=int, default=None, metavar="N",
                     help="bench only: ours on the mma.sync kernel up to N query rows (s_q * H), "
-                         "the wgmma kernel above, instead of the library's MMA_MAX_ROWS (16); "
-                         "0: the wgmma kernel for every row")
+                         "the wgmma kernel above, for either cache dtype, instead of the "
+                         "library's MMA_MAX_ROWS (16) / MMA_MAX_ROWS_FP8 (8); 0: the wgmma "
+                         "kernel for every row")
     ap.add_argument("--mma-min-batch", type=int, default=None, metavar="B",
                     help="bench only: ours on the mma.sync kernel (up to MMA_MAX_ROWS rows) from "
                          "B requests on, for either cache dtype, instead of the library's "
@@ -654,8 +656,10 @@ def main(argv: list[str] | None = None) -> int:
         from mla_backend.ops import cost_model
 
         log(f"ours on the mma.sync kernel up to {args.mma_max_rows} query rows, the wgmma "
-            f"kernel above (--mma-max-rows; the library's is {cost_model.MMA_MAX_ROWS})")
-        cost_model.MMA_MAX_ROWS = args.mma_max_rows  # read by every plan made after this
+            f"kernel above (--mma-max-rows; the library's: {cost_model.MMA_MAX_ROWS}, "
+            f"{cost_model.MMA_MAX_ROWS_FP8} on an fp8 cache)")
+        # read by every plan made after this
+        cost_model.MMA_MAX_ROWS = cost_model.MMA_MAX_ROWS_FP8 = args.mma_max_rows
     if args.mma_min_batch is not None:
         from mla_backend.ops import cost_model
 

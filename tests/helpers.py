@@ -143,11 +143,13 @@ def naive_dense_decode(q, cache, table, lens, scale, causal=True):
 def force_dense_kernel(monkeypatch, kernel: str) -> None:
     """Dense decode's steps of <= 16 query rows (s_q * H) on one kernel for this test:
     "rule" leaves the library's choice (cost_model: the wgmma kernel on a 16-bit cache, and on
-    fp8 below MMA_MIN_BATCH_FP8 requests), "mma.sync" takes the mma.sync kernel at every batch,
+    fp8 above MMA_MAX_ROWS_FP8 rows or below MMA_MIN_BATCH_FP8 requests), "mma.sync" takes the
+    mma.sync kernel at every batch and up to 16 rows on either cache,
     "wgmma" the wgmma kernel at every batch. Steps of more rows run on wgmma either way."""
     from mla_backend.ops import cost_model
 
     if kernel == "mma.sync":
+        monkeypatch.setattr(cost_model, "MMA_MAX_ROWS_FP8", 16)
         monkeypatch.setattr(cost_model, "MMA_MIN_BATCH_16BIT", 1)
         monkeypatch.setattr(cost_model, "MMA_MIN_BATCH_FP8", 1)
     elif kernel == "wgmma":

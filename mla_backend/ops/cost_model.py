@@ -55,9 +55,16 @@ MIN_TOKENS_PER_CTA_FP8_ONE_TILE = 64
 # kernel with the pages converted by its consumers (2026-11-28, H 16, s_q 1, 4k; the json of
 # MIN_TOKENS_PER_CTA_FP8_ONE_TILE, c1 and c2): level at batch 32 (62-64 us per layer on either)
 # and 13% faster at batch 128 (177-178 against 201-205 us).
-# Read at each plan (bench/dense_decode.py --mma-max-rows, --mma-min-batch); set them before
-# making a workspace: its plans are cached per batch size.
+# On an fp8 cache the mma.sync kernel takes at most MMA_MAX_ROWS_FP8 rows: against the wgmma
+# kernel with fp16 tiles (2026-11-28, batch 16-128, 1k/4k/16k; bench/results/
+# dense_decode_fp8_few_rows_wgmma_f16-h100-80gb-hbm3-2026-11-28.json), at 16 rows (H 16 s_q 1,
+# H 8 s_q 2) the wgmma kernel was 3-22% faster at batch 16 and 32 and within +2.2 / -3.3% at
+# batch 128; at 8 rows (H 8 s_q 1) the mma.sync kernel was 4-10% faster at 4k and 13% at
+# batch 128, 1k, and 1.5-7% slower elsewhere.
+# Read at each plan (bench/dense_decode.py --mma-max-rows sets both row caps, --mma-min-batch
+# both batches); set them before making a workspace: its plans are cached per batch size.
 MMA_MAX_ROWS = 16
+MMA_MAX_ROWS_FP8 = 8
 MMA_MIN_BATCH_16BIT: int | None = None
 MMA_MIN_BATCH_FP8: int | None = 16
 

@@ -73,10 +73,11 @@ class DecodePlan:
 
 def _uses_mma(rows: int, batch: int, kv_fp8: bool) -> bool:
     """Whether a step of `batch` requests with `rows` query rows (s_q * H) runs on the mma.sync
-    kernel rather than the wgmma kernel: the rule of cost_model (MMA_MAX_ROWS, MMA_MIN_BATCH_*),
-    read at each call."""
+    kernel rather than the wgmma kernel: the rule of cost_model (MMA_MAX_ROWS, and on an fp8
+    cache MMA_MAX_ROWS_FP8; MMA_MIN_BATCH_*), read at each call."""
     min_batch = cost_model.MMA_MIN_BATCH_FP8 if kv_fp8 else cost_model.MMA_MIN_BATCH_16BIT
-    return rows <= min(cost_model.MMA_MAX_ROWS, 16) and min_batch is not None and batch >= min_batch
+    max_rows = min(cost_model.MMA_MAX_ROWS, cost_model.MMA_MAX_ROWS_FP8 if kv_fp8 else 16, 16)
+    return rows <= max_rows and min_batch is not None and batch >= min_batch
 
 
 def _fp16_operands(plan: DecodePlan) -> bool:

@@ -367,8 +367,9 @@ def test_dense_grid_worked_by_hand(rows, sms, mma, want):
 @pytest.mark.parametrize("rows,batch,kv_fp8,want", [
     (16, 1, False, False), (16, 128, False, False),  # 16-bit: the wgmma kernel at every batch
     (1, 4096, False, False),
-    (16, 1, True, False), (16, 15, True, False),     # fp8: wgmma below 16 requests,
-    (16, 16, True, True), (1, 500, True, True),      # mma.sync from 16 on
+    (8, 1, True, False), (8, 15, True, False),       # fp8: wgmma below 16 requests,
+    (8, 16, True, True), (1, 500, True, True),       # mma.sync from 16 on up to 8 rows,
+    (9, 500, True, False), (16, 16, True, False),    # wgmma above 8 rows
     (17, 32, True, False), (128, 128, True, False),  # more than 16 rows: always wgmma
 ])
 def test_dense_kernel_rule_worked_by_hand(rows, batch, kv_fp8, want):
@@ -383,11 +384,12 @@ def test_dense_kernel_rule_worked_by_hand(rows, batch, kv_fp8, want):
 ])
 def test_dense_kernel_rule_follows_cost_model(monkeypatch, max_rows, min_batch, rows, batch,
                                               want):
-    # cost_model's MMA_MAX_ROWS / MMA_MIN_BATCH_* (bench/dense_decode.py --mma-max-rows,
+    # cost_model's MMA_MAX_ROWS(_FP8) / MMA_MIN_BATCH_* (bench/dense_decode.py --mma-max-rows,
     # --mma-min-batch) are read at each call, for either cache dtype
     from mla_backend.ops import cost_model
 
     monkeypatch.setattr(cost_model, "MMA_MAX_ROWS", max_rows)
+    monkeypatch.setattr(cost_model, "MMA_MAX_ROWS_FP8", max_rows)
     monkeypatch.setattr(cost_model, "MMA_MIN_BATCH_16BIT", min_batch)
     monkeypatch.setattr(cost_model, "MMA_MIN_BATCH_FP8", min_batch)
     for kv_fp8 in (False, True):

@@ -296,21 +296,22 @@ def test_workspace_partials_follow_the_build(partial_width, width, dtype):
     assert plan.partial_out.data_ptr() == ws.partial_out.data_ptr()
 
 
-@pytest.mark.parametrize("max_batch,kv_fp8,ctas", [
-    (64, False, 132),  # 16-bit: the wgmma kernel at every batch, one 64-row tile, 132 CTAs
-    (15, True, 132),   # fp8 below MMA_MIN_BATCH_FP8: wgmma only
-    (16, True, 264),   # fp8 from 16 requests: the mma.sync kernel's two CTAs per SM too
+@pytest.mark.parametrize("max_batch,heads,kv_fp8,ctas", [
+    (64, 16, False, 132),  # 16-bit: the wgmma kernel at every batch, one 64-row tile, 132 CTAs
+    (15, 8, True, 132),    # fp8 below MMA_MIN_BATCH_FP8: wgmma only
+    (16, 8, True, 264),    # fp8 from 16 requests, up to 8 rows: the mma.sync kernel's 2 CTAs per SM
+    (64, 16, True, 132),   # fp8 above MMA_MAX_ROWS_FP8 rows: wgmma at every batch
 ])
 def test_workspace_partials_sized_for_the_kernels_the_rule_can_take(partial_width, max_batch,
-                                                                    kv_fp8, ctas):
+                                                                    heads, kv_fp8, ctas):
     from mla_backend.ops import dense
 
     partial_width(2)
-    ws = dense._workspace(max_batch, [1], 16, kv_fp8, torch.device("cpu"), 132,
+    ws = dense._workspace(max_batch, [1], heads, kv_fp8, torch.device("cpu"), 132,
                           "decode_workspace")
-    assert ws.partial_lse.numel() == 2 * ctas * 16
+    assert ws.partial_lse.numel() == 2 * ctas * heads
     plan = ws.plan_view(max_batch, 1)  # the largest batch's plan fits the buffers
-    assert plan.partial_out.shape == (2 * plan.num_ctas, 16, 512)
+    assert plan.partial_out.shape == (2 * plan.num_ctas, heads, 512)
     assert plan.rows_per_cta == (16 if ctas == 264 else 64)
 
 

@@ -89,7 +89,7 @@ def test_fp8_kv_cache_with_kv_scales(workdir, heads):
     vLLM 0.25 does not load a DeepSeek checkpoint's KV scales into MLA layers), for both
     engines, so vLLM's cache writer quantizes with them. Our kernel reads bf16 q and the e4m3
     cache; FlashMLA's fp8 path also quantizes q. Both are measured against FlashMLA on a bf16
-    cache. H = 16 runs our mma.sync kernel, H = 128 the wgmma kernel (pages converted by its consumers).
+    cache. Both run the wgmma kernel, which converts the pages in its consumers.
     The hooks record the kv_scale of every ops.mla_decode call (in FULL-graph mode: the eager
     steps and the captures)."""
     plain = model(workdir, "v3", heads)

@@ -171,7 +171,7 @@ def test_longest_first_plan_whole_requests_in_their_order(kv_fp8, heads, s_q, ba
         assert order is not None and sorted(order) == list(range(batch))
         assert order != list(range(batch)), "the longest-first plan should be taken here"
         assert _split_and_empty(plan)[0] == 0
-    else:  # the mma.sync kernel (fp8 from 16 requests, or the few_rows_kernel fixture)
+    else:  # the mma.sync kernel (the few_rows_kernel fixture)
         assert order is None
 
 
@@ -261,7 +261,7 @@ def test_large_scale_sharp_softmax():
         "padded-128", "padded-256", "packed-257", "longest-first-128", "longest-first-1024",
         "small-1", "small-3", "capped-1", "capped-4"])
 def test_planner_matches_python_twin(seq):
-    # fp8 at H 16: one row tile of the wgmma kernel below 16 requests (its own minimum work)
+    # fp8 at H 16: one row tile of the wgmma kernel (its own minimum work)
     for heads, kv_dtype in ((16, None), (128, None), (16, torch.float8_e4m3fn)):
         plan = ops.plan_decode(seq.cuda(), 1, heads, kv_cache_dtype=kv_dtype)
         ordered = plan.metadata.numel() == 2 * seq.shape[0] + 2
@@ -481,8 +481,8 @@ def test_fp8_cache_heads_and_query_lengths(heads, s_q):
     _check_fp8([1, 37, 700, 0, 2049], s_q, heads)
 
 
-# The mma.sync kernel multiplies fp16 operands over an fp8 cache: a bf16 query row goes to
-# fp16 scaled by a power of two of its own. Rows up to 1e11 apart and beyond fp16's range
+# The mma.sync kernel and the wgmma kernel's fp16 tiles multiply fp16 operands over an fp8
+# cache: a bf16 query row goes to fp16 scaled by a power of two of its own. Rows up to 1e11 apart and beyond fp16's range
 # either way (1e5 and 3e4 * randn overflow fp16 unscaled, 1e-6 * randn is subnormal there),
 # on each kernel; the cache is ~1e-5, so the large rows' logits are O(1) and their lse is
 # within float32's reach of the 2e-3 tolerance.
