@@ -71,11 +71,12 @@ template <KeySource kSrc> constexpr bool kTmaPagesOf =
 template <KeySource kSrc> constexpr bool kProducedOf = !kTmaPagesOf<kSrc>;
 template <KeySource kSrc> constexpr int kThreadsOf = kTmaPagesOf<kSrc> ? 256 : 384;
 // per-tensor fp8: S = kv_scale * (q . k8) and O = kv_scale * (P . v8), kv_scale read on the GPU
-template <KeySource kSrc> constexpr bool kPerTensorFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kPagedFp8F16;
-// The grid's order: the dense 16-bit kernel's row tiles are blockIdx.x and its plan CTAs
+template <KeySource kSrc>
+constexpr bool kPerTensorFp8Of = kSrc == KeySource::kPagedFp8 || kSrc == KeySource::kPagedFp8F16;
+// The grid's order: the dense kernels' row tiles are blockIdx.x and their plan CTAs
 // blockIdx.y, so the CTAs that read the same pages are consecutive blocks and start together
-// (FlashMLA's order; 4 and 8 tiles: batch 1 -3 to -5%, batch >= 32 -1.5% against the plan's
-// CTA in x); the other kernels keep the plan's CTA in x.
+// (FlashMLA's order; 16-bit cache, 4 and 8 tiles: batch 1 -3 to -5%, batch >= 32 -1.5% against
+// the plan's CTA in x); the sparse kernels keep the plan's CTA in x.
 template <KeySource kSrc> constexpr bool kTileFastestOf = kTmaPagesOf<kSrc>;
 // With a producer, each K buffer is filled in two halves (h = 0: chunks 0-3, h = 1: chunks
 // 4-8, the rope chunk included), each with a "full" and an "empty" mbarrier. P0 lives in K0's
@@ -102,9 +103,10 @@ static_assert(2 * kFills <= kQBar && kQBar < 18, "the Q mbarrier must not overla
 // Dense sources: whole-request outputs staged for 16-byte stores (store_tile_staged), as the
 // split partials are
 template <KeySource kSrc> constexpr bool kDenseStagedOutOf = !kSparseOf<kSrc>;
-// ... and the TMA-page sources' Q by TMA (make_dense_q_maps; cp.async where dense_q_by_tma says no),
-// each piece's issued by the previous piece's epilogue. Its mbarrier is the 19th: their
-// 18 chunk barriers take ids 0-17, and it uses none of the sparse key-mask words after them.
+// ... and the TMA-page sources' Q by TMA (make_dense_q_maps; cp.async where dense_q_by_tma
+// says no), each piece's issued by the previous piece's epilogue. Its mbarrier is the 19th:
+// their 18 chunk barriers take ids 0-17, and it uses none of the sparse key-mask words after
+// them.
 template <KeySource kSrc> constexpr bool kDenseQTmaOf = kTmaPagesOf<kSrc>;
 constexpr int kDenseQBar = 18;
 

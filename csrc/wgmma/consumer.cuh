@@ -14,7 +14,7 @@
 //              unit's V, and the other's P (smem, after barriers kBarP0 / kBarP1) by its half
 //              of the other unit's V.
 // Each half of a K buffer (chunks 0-3 = V left, 4-8 = V right + rope) is released as soon as
-// its last reader's wgmma retires (kPagedTma: its TMA refill is issued; with a producer: the
+// its last reader's wgmma retires (dense: its TMA refill is issued; with a producer: the
 // producer's "empty" mbarrier is signalled), so the next pair of units streams in while this
 // pair computes.
 // Split (fp8_ds_mla): one unit at a time; warpgroup 0 computes S, the softmax and O's left
@@ -52,7 +52,7 @@ struct SeesawCta {
   unsigned char* const& smem;  // shared memory, 1024-byte aligned (SW128 atoms need it), generic
   const uint32_t& base;        // ... and its shared::cta address
   const uint32_t& sQ;          // Q, then K0, K1 (kTileBytes each)
-  // kPagedTma: P0 in a buffer of its own, P1 in Q's rope chunk once that is in registers;
+  // dense: P0 in a buffer of its own, P1 in Q's rope chunk once that is in registers;
   // with a producer (fewer registers left): P0 in K0's rope chunk, dead once S of its unit is
   // done (see kFills), P1 in the buffer of its own
   const uint32_t& sP0;
@@ -61,7 +61,7 @@ struct SeesawCta {
   float* const& sScale0;  // rescale factors published by warpgroup 0 [64] ...
   float* const& sScale1;  // ... and warpgroup 1 [64]
   float* const& sSum;     // row sums [2][64]
-  // mbarriers. kPagedTma: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8. With a
+  // mbarriers. dense: one per 8 KiB chunk c of buffer b, at bars + (9b + c) * 8. With a
   // producer: "full" of part h of buffer b at bars + fill_id(b, h) * 8, "empty" at
   // bars + (kFills + fill_id(b, h)) * 8; the Q barrier (kQTmaOf) at bars + kQBar * 8.
   const uint32_t& bars;
@@ -141,7 +141,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
     else __syncthreads();
   };
 
-  // kPagedTma: bit (9b + c): parity of buffer b chunk c's next completion; with a producer:
+  // dense: bit (9b + c): parity of buffer b chunk c's next completion; with a producer:
   // bit fill_id(b, h) of that part's "full" barrier
   uint32_t phases = 0;
   const T* qbase = static_cast<const T*>(p.q);
@@ -188,7 +188,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       }
     }
   };
-  // half h of buffer b is no longer read by this warpgroup (its wgmmas retired): kPagedTma,
+  // half h of buffer b is no longer read by this warpgroup (its wgmmas retired): dense,
   // TMA the next page there (if there is one); otherwise tell the producer
   auto release = [&](int b, int h, bool has_next, int next_blk) {
     if constexpr (kProduced) {
@@ -251,7 +251,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
   const uint64_t dV1 = make_desc(sKbuf(1) + wg * kHalfL, kChunkBytes, 1024);
   float o[128];        // O: this warpgroup's 64 rows x 256 columns (wgmma accumulators)
   float s[32];         // S of this warpgroup's current unit, then its P (fp32)
-  uint32_t q8[4][4];   // kPagedTma: Q's rope chunk (columns 512-575) as wgmma A fragments
+  uint32_t q8[4][4];   // dense: Q's rope chunk (columns 512-575) as wgmma A fragments
   float l_run[2];      // row sums of P
   float row_scale[2] = {scale_log2, scale_log2};  // kQToF16: rows wrow, wrow + 8's (set per piece)
   Gemms<Op, kSrc, kPaired, decltype(wait_chunk)> mm{wait_chunk, dQ, dK0, dK1, dV0, dV1, s, o, q8};
@@ -657,7 +657,7 @@ __device__ __forceinline__ void consumer_warpgroups(const DecodeParams& p, const
       if (wg == 0 && qd == 0) p.part_lse[prow] = lse_row;
     }
     }  // staged or direct stores
-    consumers_sync();  // sM, sSum, sQ (and, kPagedTma, both K buffers: the stage) are reused by the next piece
+    consumers_sync();  // sM, sSum, sQ (and, dense, both K buffers: the stage) are reused by the next piece
     if (tid == 0) TL(58);
     u = Pr + plan_end;
   }

@@ -40,7 +40,7 @@ struct Gemms {
   const uint64_t& dV1;
   float (&s)[32];        // S of this warpgroup's current unit, then its P (fp32)
   float (&o)[128];       // O: this warpgroup's 64 rows x 256 columns
-  uint32_t (&q8)[4][4];  // kPagedTma: Q's rope chunk (columns 512-575) as wgmma A fragments
+  uint32_t (&q8)[4][4];  // dense: Q's rope chunk (columns 512-575) as wgmma A fragments
 
   __device__ __forceinline__ uint64_t dK(int b) const { return b == 0 ? dK0 : dK1; }
   __device__ __forceinline__ uint64_t dV(int b) const { return b == 0 ? dV0 : dV1; }

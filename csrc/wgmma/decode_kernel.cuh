@@ -116,12 +116,6 @@ __global__ void __launch_bounds__(kThreadsOf<kSrc>, 1) decode_wgmma_kernel(const
   if constexpr (kPaired) cute::cluster_sync();  // both CTAs' barriers initialised
   else __syncthreads();                         // barriers initialised
 
-  // block id of page pi of request r (0 past the block table: the page is then masked; the
-  // producer copies nothing for it)
-  auto block_of = [&](int r, int pi) {
-    return pi < p.max_blocks ? __ldg(p.block_table + r * p.bt_stride + pi) : 0;
-  };
-
   if constexpr (kProduced) {
     if constexpr (kSplitOf<kSrc>) {
       if (wg == 2) {  // ---- producer warpgroup of the split schedule
